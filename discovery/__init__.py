@@ -1,0 +1,1 @@
+"""libp2p host, DHT records, RTT probes and route planning."""

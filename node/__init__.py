@@ -1,0 +1,1 @@
+"""The dsd-node daemon: block server, head engine, federated worker, CLI."""

@@ -1,0 +1,1 @@
+"""Sans-IO wire protocol: messages, framing, tensor and top-K codecs."""

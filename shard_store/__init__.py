@@ -1,0 +1,1 @@
+"""Model store: checkpoint import, per-layer-span weights, span/head/full loading."""
