@@ -1,0 +1,52 @@
+"""Target backends for the head engine: where a window's target logits come from."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import trio
+
+from dsd.shard_store import HeadModule
+
+from .client import RouteSession
+
+
+class RouteBackend:
+    """DSD over a route of block peers: embed on the head, layers on the peers, logits on the head.
+
+    Only hidden states cross the wire, and the head computes the target logits
+    itself, so verification sees exactly the target's distribution.
+    """
+
+    def __init__(self, head: HeadModule, session: RouteSession, *, timeout_s: float = 300.0) -> None:
+        self.head = head
+        self.session = session
+        self.timeout_s = timeout_s
+        self._limiter = trio.CapacityLimiter(1)
+        self.head_compute_s = 0.0
+
+    def _embed(self, tokens: Sequence[int]) -> np.ndarray:
+        with torch.inference_mode():
+            ids = torch.tensor([list(tokens)], dtype=torch.long)
+            return self.head.embed(ids)[0].to(torch.float32).numpy()
+
+    def _logits(self, hidden: np.ndarray, rows: int) -> torch.Tensor:
+        with torch.inference_mode():
+            h = torch.from_numpy(np.ascontiguousarray(hidden[-rows:], dtype=np.float32)).unsqueeze(0)
+            return self.head.logits(h)[0].to(torch.float32)
+
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        t0 = time.perf_counter()
+        hidden = await trio.to_thread.run_sync(self._embed, tokens, limiter=self._limiter)
+        self.head_compute_s += time.perf_counter() - t0
+        await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch)
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        _, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+        t0 = time.perf_counter()
+        logits = await trio.to_thread.run_sync(self._logits, hidden, rows, limiter=self._limiter)
+        self.head_compute_s += time.perf_counter() - t0
+        return logits
