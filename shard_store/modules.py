@@ -1,0 +1,147 @@
+"""Runtime modules built from a store: the head (embeddings, final norm, lm_head) and a layer span.
+
+Both reuse transformers' own decoder-layer, RMSNorm and rotary classes; only the glue (positions,
+causal mask, per-span cache) lives here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from .errors import StoreError
+from .families import FamilyAdapter
+from .kv_cache import SpanCache
+
+
+class HeadModule(nn.Module):
+    """The two ends of the model the head peer holds: token embedding in, final norm + lm_head out."""
+
+    def __init__(
+        self,
+        embed_tokens: nn.Embedding,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+        config: PretrainedConfig,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.norm = norm
+        self.lm_head = lm_head
+        self.config = config
+        self.vocab_size = int(embed_tokens.num_embeddings)
+        self.hidden_size = int(embed_tokens.embedding_dim)
+        self.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weight dtype of the head."""
+        return self.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, t] -> hidden states [b, t, h]; ids outside the vocabulary are a StoreError."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise StoreError("embed: input_ids must be an int64/int32 tensor")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise StoreError(f"embed: input_ids must have shape [batch, tokens>0], got {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise StoreError(f"embed: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
+        return self.embed_tokens(input_ids.long())
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [b, t, h] from the last span -> logits [b, t, V] (final norm, then lm_head)."""
+        if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
+            raise StoreError(f"logits: hidden must be [batch, tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
+        return self.lm_head(self.norm(hidden.to(self.dtype)))
+
+
+class SpanModule(nn.Module):
+    """Decoder layers [start, end): hidden states + positions + this span's KV cache -> hidden states."""
+
+    def __init__(
+        self,
+        adapter: FamilyAdapter,
+        config: PretrainedConfig,
+        start: int,
+        end: int,
+        layers: list[nn.Module],
+    ) -> None:
+        super().__init__()
+        if len(layers) != end - start:
+            raise StoreError(f"span [{start}, {end}) needs {end - start} layers, got {len(layers)}")
+        self.adapter = adapter
+        self.config = config
+        self.start = start
+        self.end = end
+        self.hidden_size = int(config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.rotary_emb = adapter.new_rotary(config)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self._layer_types = [layer_types[i] for i in range(start, end)]
+        self._sliding_window = getattr(config, "sliding_window", None)
+        self.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weight dtype of the span (inputs are cast to it)."""
+        return next(self.parameters()).dtype
+
+    def new_cache(self, max_length: int | None = None) -> SpanCache:
+        """An empty KV cache for this span (optionally refusing to grow past max_length positions)."""
+        return SpanCache(self.start, self.end, max_length=max_length)
+
+    def _mask(self, kind: str, start_pos: int, t: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask [1, 1, t, start_pos+t]: causal over cache + window, plus the sliding window."""
+        if kind == "full_attention" and t == 1:
+            return None  # one query sees every cached position
+        q_pos = torch.arange(start_pos, start_pos + t)[:, None]
+        k_pos = torch.arange(start_pos + t)[None, :]
+        allowed = k_pos <= q_pos
+        if kind == "sliding_attention":
+            if not self._sliding_window:
+                raise StoreError("sliding_attention layer but config.sliding_window is not set")
+            allowed &= k_pos > q_pos - int(self._sliding_window)
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, start_pos: int, cache: SpanCache) -> torch.Tensor:
+        """Run the window (positions start_pos..start_pos+t-1) through the span, appending its K/V."""
+        if not isinstance(cache, SpanCache) or (cache.start, cache.end) != (self.start, self.end):
+            raise StoreError(f"span [{self.start}, {self.end}) needs a cache from its own new_cache()")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise StoreError(f"span forward: hidden must be [batch, tokens, {self.hidden_size}], got {shape}")
+        b, t, _ = hidden.shape
+        if t == 0:
+            raise StoreError("span forward: empty window (0 tokens)")
+        if start_pos != cache.length:
+            raise StoreError(
+                f"span forward: start_pos {start_pos} != cache length {cache.length} "
+                "(truncate the cache first, or send the missing positions)"
+            )
+        hidden = hidden.to(self.dtype)
+        position_ids = torch.arange(start_pos, start_pos + t).unsqueeze(0).expand(b, t)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        masks = {kind: self._mask(kind, start_pos, t, hidden.dtype) for kind in set(self._layer_types)}
+        cache.begin(t)
+        try:
+            for layer, kind in zip(self.layers, self._layer_types, strict=True):
+                hidden = layer(
+                    hidden,
+                    attention_mask=masks[kind],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=position_embeddings,
+                )
+        except BaseException:
+            cache.abort()
+            raise
+        cache.commit()
+        return hidden

@@ -1,0 +1,224 @@
+"""Open a store and load exactly what a role needs: the head, one layer span, or the whole model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .dtypes import torch_dtype
+from .errors import StoreError
+from .families import FamilyAdapter, adapter_for, config_from_dict
+from .files import sha256_file
+from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, layer_file
+from .modules import HeadModule, SpanModule
+
+
+class Store:
+    """A model store on disk. Every file read is size-checked against the manifest; with
+    verify=True every file is also re-hashed when the store is opened."""
+
+    def __init__(self, path: str | Path, verify: bool = False) -> None:
+        self.path = Path(path)
+        self.manifest = Manifest.read(self.path)
+        self.adapter: FamilyAdapter = adapter_for(self.manifest.family)
+        if self.manifest.config.get("model_type") != self.manifest.family:
+            raise StoreError(
+                f"manifest: family {self.manifest.family!r} != config.model_type "
+                f"{self.manifest.config.get('model_type')!r}"
+            )
+        self.dtype = torch_dtype(self.manifest.dtype)
+        if verify:
+            bad = self.verify()
+            if bad:
+                raise StoreError(f"store {self.path} failed verification: {', '.join(bad)}")
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers of the stored model."""
+        return self.manifest.num_layers
+
+    def config(self, attn_implementation: str = "sdpa") -> PretrainedConfig:
+        """A fresh transformers config of the stored model."""
+        config = config_from_dict(self.manifest.config, attn_implementation)
+        self.adapter.check_layer_types(config)
+        return config
+
+    # ---- integrity -------------------------------------------------------------------------
+    def verify(self, progress: Callable[[str, int, int], None] | None = None) -> list[str]:
+        """Re-hash every listed file; return the relpaths that are missing or whose size/sha256 differ."""
+        bad: list[str] = []
+        total = len(self.manifest.files)
+        for done, (relpath, entry) in enumerate(sorted(self.manifest.files.items()), start=1):
+            path = self.path / relpath
+            if not path.is_file() or path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+                bad.append(relpath)
+            if progress is not None:
+                progress(relpath, done, total)
+        return bad
+
+    def _checked(self, relpath: str) -> Path:
+        """Path of a listed file after checking it exists and has the manifest's size."""
+        entry = self.manifest.files.get(relpath)
+        if entry is None:
+            raise StoreError(f"store {self.path}: {relpath} is not listed in the manifest")
+        path = self.path / relpath
+        if not path.is_file():
+            raise StoreError(f"store {self.path}: missing file {relpath}")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise StoreError(f"store {self.path}: {relpath} has size {size}, manifest says {entry['size']}")
+        return path
+
+    def _read(self, relpath: str, expected: set[str]) -> dict[str, torch.Tensor]:
+        """Load one weight file, checking its keys and dtype against what the loader expects."""
+        path = self._checked(relpath)
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            raise StoreError(f"store {self.path}: cannot read {relpath}: {exc}") from exc
+        if set(tensors) != expected:
+            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise StoreError(f"store {self.path}: {relpath} has wrong tensors (missing {missing}, unexpected {extra})")
+        for key, tensor in tensors.items():
+            if tensor.dtype != self.dtype:
+                raise StoreError(f"store {self.path}: {relpath}:{key} is {tensor.dtype}, manifest says {self.dtype}")
+        return tensors
+
+    def span_files(self, start: int, end: int) -> list[str]:
+        """Relpaths of the weight files a span [start, end) reads."""
+        self._check_span(start, end)
+        return [layer_file(i) for i in range(start, end)]
+
+    def span_nbytes(self, start: int, end: int) -> int:
+        """Bytes on disk of the span's weights (about what it holds in memory)."""
+        return sum(self.manifest.files[f]["size"] for f in self.span_files(start, end))
+
+    def _check_span(self, start: int, end: int) -> None:
+        for v in (start, end):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise StoreError(f"span bounds must be ints, got {start!r}, {end!r}")
+        if not 0 <= start < end <= self.num_layers:
+            raise StoreError(f"span [{start}, {end}) is not inside the model's layers [0, {self.num_layers})")
+
+    # ---- loading ---------------------------------------------------------------------------
+    def _assign(self, module: nn.Module, tensors: dict[str, torch.Tensor], relpath: str) -> None:
+        """Load file tensors into a meta-initialised module without copying."""
+        try:
+            module.load_state_dict(tensors, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise StoreError(f"store {self.path}: {relpath} does not fit the model: {exc}") from exc
+
+    def load_head(self) -> HeadModule:
+        """Embeddings, final norm and lm_head; reads embed.safetensors and head.safetensors only."""
+        config = self.config()
+        head_keys = {"norm.weight"} if self.manifest.tied_embeddings else {"norm.weight", "lm_head.weight"}
+        embed_t = self._read(EMBED_FILE, {"embed_tokens.weight"})
+        head_t = self._read(HEAD_FILE, head_keys)
+        with torch.device("meta"):
+            embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=self.dtype)
+            norm = self.adapter.new_norm(config).to(self.dtype)
+            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype)
+        self._assign(embed, {"weight": embed_t["embed_tokens.weight"]}, EMBED_FILE)
+        self._assign(norm, {"weight": head_t["norm.weight"]}, HEAD_FILE)
+        if self.manifest.tied_embeddings:
+            lm_head.weight = embed.weight
+        else:
+            self._assign(lm_head, {"weight": head_t["lm_head.weight"]}, HEAD_FILE)
+        return HeadModule(embed, norm, lm_head, config)
+
+    def _layer(self, config: PretrainedConfig, index: int) -> nn.Module:
+        """Build decoder layer `index` on the meta device and assign its stored weights."""
+        relpath = layer_file(index)
+        with torch.device("meta"):
+            layer = self.adapter.new_decoder_layer(config, index).to(self.dtype)
+        expected = set(layer.state_dict())
+        self._assign(layer, self._read(relpath, expected), relpath)
+        return layer
+
+    def load_span(self, start: int, end: int) -> SpanModule:
+        """Decoder layers [start, end) only: reads and holds just those layers' files."""
+        self._check_span(start, end)
+        config = self.config()
+        layers = [self._layer(config, i) for i in range(start, end)]
+        return SpanModule(self.adapter, config, start, end, layers)
+
+    def load_full(self) -> PreTrainedModel:
+        """The whole model as a transformers causal LM (eval, CPU), e.g. for a local draft model."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.config()
+        config.dtype = self.dtype
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        a = self.adapter
+        state: dict[str, torch.Tensor] = {}
+        state[a.embed_key] = self._read(EMBED_FILE, {"embed_tokens.weight"})["embed_tokens.weight"]
+        head_keys = {"norm.weight"} if self.manifest.tied_embeddings else {"norm.weight", "lm_head.weight"}
+        head_t = self._read(HEAD_FILE, head_keys)
+        state[a.norm_key] = head_t["norm.weight"]
+        state[a.lm_head_key] = head_t.get("lm_head.weight", state[a.embed_key])
+        for i in range(self.num_layers):
+            prefix = f"{a.layer_prefix}{i}."
+            expected = {k[len(prefix) :] for k in model.state_dict() if k.startswith(prefix)}
+            for key, tensor in self._read(layer_file(i), expected).items():
+                state[prefix + key] = tensor
+        self._assign(model, state, "the weight files")
+        if self.manifest.tied_embeddings:
+            model.lm_head.weight = model.get_input_embeddings().weight
+        _rebuild_meta_buffers(model, config)
+        model.eval()
+        return model
+
+    def load_tokenizer(self) -> Any:
+        """The stored tokenizer, or None when the model was converted without one."""
+        if not self.manifest.tokenizer_files:
+            return None
+        from transformers import AutoTokenizer
+
+        for relpath in self.manifest.tokenizer_files:
+            self._checked(relpath)
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path / TOKENIZER_DIR))
+        except Exception as exc:  # tokenizer loaders raise many kinds
+            raise StoreError(f"store {self.path}: cannot load the tokenizer: {exc}") from exc
+
+    def summary(self) -> dict[str, Any]:
+        """Manifest summary for `store inspect` and `models prepare` (JSON-safe)."""
+        m = self.manifest
+        layer_bytes = [m.files[layer_file(i)]["size"] for i in range(m.num_layers)]
+        return {
+            "path": str(self.path),
+            "model_id": m.model_id,
+            "family": m.family,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "vocab_size": m.vocab_size,
+            "dtype": m.dtype,
+            "files": len(m.files),
+            "total_bytes": m.total_bytes,
+            "head_bytes": m.files[EMBED_FILE]["size"] + m.files[HEAD_FILE]["size"],
+            "layer_bytes": sum(layer_bytes),
+            "tokenizer": bool(m.tokenizer_files),
+            "tied_embeddings": m.tied_embeddings,
+            "source": m.source,
+            "format_version": m.format_version,
+        }
+
+
+def _rebuild_meta_buffers(model: nn.Module, config: PretrainedConfig) -> None:
+    """Recreate modules whose non-persistent buffers (rotary inv_freq) are still on the meta device."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            with torch.device("cpu"):
+                setattr(parent, attr, type(module)(config=config))
+    leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftovers:
+        raise StoreError(f"model still has unloaded tensors after loading: {leftovers[:5]}")

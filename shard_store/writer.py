@@ -1,0 +1,241 @@
+"""Import a checkpoint into a store: one safetensors file per decoder layer plus embed and head files.
+
+The store is written into a staging directory next to `out` and renamed into place at the end,
+manifest last, so an interrupted conversion never looks like a finished store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from .dtypes import torch_dtype
+from .errors import StoreError
+from .families import adapter_for
+from .files import atomic_write, sha256_file
+from .manifest import (
+    EMBED_FILE,
+    FORMAT_VERSION,
+    HEAD_FILE,
+    MANIFEST_NAME,
+    TOKENIZER_DIR,
+    Manifest,
+    layer_file,
+)
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]
+"""progress(what, done, total): called after each file is written."""
+
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Save tensors (cloned, so none share storage) to a safetensors file atomically."""
+    clean = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(clean, str(tmp), metadata={"format": "pt"}))
+
+
+def _stored_config(model: PreTrainedModel, dtype: str) -> dict[str, Any]:
+    """The transformers config as a JSON-safe dict, with the store's dtype recorded."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config["dtype"] = dtype
+    config.pop("_name_or_path", None)
+    return config
+
+
+def write_store(
+    model: PreTrainedModel,
+    out: str | Path,
+    *,
+    model_id: str,
+    tokenizer: Any = None,
+    dtype: str = "float32",
+    source: str = "",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Split an in-memory causal LM into a store at `out` and return its manifest.
+
+    `out` must not exist, or be empty, or (with overwrite=True) be an existing store.
+    """
+    target = torch_dtype(dtype)
+    family = str(getattr(model.config, "model_type", ""))
+    adapter = adapter_for(family)
+    adapter.check_layer_types(model.config)
+    num_layers = int(model.config.num_hidden_layers)
+    out = Path(out)
+    _check_out(out, overwrite)
+
+    groups: dict[str, dict[str, torch.Tensor]] = {EMBED_FILE: {}, HEAD_FILE: {}}
+    groups.update({layer_file(i): {} for i in range(num_layers)})
+    state = model.state_dict()
+    for key, tensor in state.items():
+        kind, index, local = adapter.split_key(key)
+        if kind == "layer":
+            if index is None or index >= num_layers:
+                raise StoreError(f"{family}: weight {key!r} names layer {index} but the model has {num_layers}")
+            groups[layer_file(index)][local] = tensor
+        elif kind == "embed":
+            groups[EMBED_FILE]["embed_tokens.weight"] = tensor
+        elif kind == "norm":
+            groups[HEAD_FILE]["norm.weight"] = tensor
+        else:
+            groups[HEAD_FILE]["lm_head.weight"] = tensor
+    if "embed_tokens.weight" not in groups[EMBED_FILE] or "norm.weight" not in groups[HEAD_FILE]:
+        raise StoreError(f"{family}: model has no embedding or final norm weights")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    lm_head = groups[HEAD_FILE].get("lm_head.weight")
+    if tied:
+        if lm_head is not None and not torch.equal(lm_head, groups[EMBED_FILE]["embed_tokens.weight"]):
+            raise StoreError(f"{family}: config says tie_word_embeddings but lm_head differs from the embedding")
+        groups[HEAD_FILE].pop("lm_head.weight", None)  # the head reads it from embed.safetensors
+    elif lm_head is None:
+        raise StoreError(f"{family}: untied model has no lm_head weight")
+    for name, tensors in groups.items():
+        if not tensors:
+            raise StoreError(f"{family}: no weights for {name}")
+
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        total = len(groups)
+        for done, (relpath, tensors) in enumerate(groups.items(), start=1):
+            path = staging / relpath
+            _save_tensors(path, {k: v.to(target) for k, v in tensors.items()})
+            files[relpath] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            if progress is not None:
+                progress("weights", done, total)
+        tokenizer_files: list[str] = []
+        if tokenizer is not None:
+            tok_dir = staging / TOKENIZER_DIR
+            tokenizer.save_pretrained(str(tok_dir))
+            for path in sorted(p for p in tok_dir.rglob("*") if p.is_file()):
+                relpath = path.relative_to(staging).as_posix()
+                files[relpath] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+                tokenizer_files.append(relpath)
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            model_id=model_id,
+            family=family,
+            config=_stored_config(model, dtype),
+            num_layers=num_layers,
+            hidden_size=int(model.config.hidden_size),
+            vocab_size=int(model.config.vocab_size),
+            dtype=dtype,
+            files=files,
+            tokenizer_files=tokenizer_files,
+            tied_embeddings=tied,
+            source=source,
+        )
+        Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
+        manifest.write(staging)
+        if out.exists():
+            shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return manifest
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to write over anything that is not an empty directory or (with overwrite) a store."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise StoreError(f"output {out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    if not (out / MANIFEST_NAME).is_file():
+        raise StoreError(f"output {out} exists, is not empty and is not a store; choose another --out")
+    if not overwrite:
+        raise StoreError(f"output {out} already holds a store (pass overwrite=True to replace it)")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def _gguf_has_tokenizer(path: Path) -> bool:
+    from gguf import GGUFReader
+
+    return "tokenizer.ggml.model" in GGUFReader(str(path)).fields
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    model_id: str | None = None,
+    gguf_file: str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Convert an HF model folder or a GGUF file (a .gguf path, or a folder + gguf_file) into a store.
+
+    The tokenizer is copied when the source has one; a model without a tokenizer converts fine.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = torch_dtype(dtype)
+    src = Path(src)
+    if not src.exists():
+        raise StoreError(f"source {src} does not exist")
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise StoreError(f"source {src} is a file but not a .gguf; give an HF model folder or a GGUF file")
+        if gguf_file is not None and gguf_file != src.name:
+            raise StoreError(f"gguf_file {gguf_file!r} given together with the GGUF file {src.name}")
+        folder, gguf_file = src.parent, src.name
+    else:
+        folder = src
+        if gguf_file is not None and not (folder / gguf_file).is_file():
+            raise StoreError(f"GGUF file {gguf_file} not found in {folder}")
+        if gguf_file is None and not (folder / "config.json").is_file():
+            raise StoreError(f"{folder} is not a Hugging Face model folder: no config.json")
+    _check_out(Path(out), overwrite)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StoreError(f"cannot load model from {src}: {exc}") from exc
+    model.eval()
+    tokenizer = None
+    wants_tokenizer = _gguf_has_tokenizer(folder / gguf_file) if gguf_file else _has_tokenizer(folder)
+    if wants_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs)
+        except Exception as exc:  # tokenizer loaders raise many kinds
+            raise StoreError(f"cannot load the tokenizer of {src}: {exc}") from exc
+    if model_id is None:
+        model_id = Path(gguf_file).stem if gguf_file else folder.resolve().name
+    log.info("loaded %s in %.1fs", src.name, time.perf_counter() - started)
+    manifest = write_store(
+        model,
+        out,
+        model_id=model_id,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        source=gguf_file or folder.resolve().name,
+        overwrite=overwrite,
+        progress=progress,
+    )
+    log.info("converted %s in %.1fs", src.name, time.perf_counter() - started)
+    return manifest
