@@ -108,8 +108,8 @@ def _write_ready(path: Path, payload: dict) -> None:
 
 async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
     """Run until SIGINT/SIGTERM or cancellation."""
-    from dsd.discovery.records import Announcer, PeerRecord, fetch_records  # noqa: F401
     from dsd.discovery.planner import choose_blocks
+    from dsd.discovery.records import Announcer, PeerRecord, fetch_records  # noqa: F401
     from dsd.shard_store import Store
 
     if cfg.threads:

@@ -23,7 +23,7 @@ import trio
 
 from .adaptive import AdaptiveVerifier
 from .sampling import SamplingParams
-from .verify import verify_window
+from .verify import Decoder, find_stop, verify_window
 from .window import WindowController
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class GenerationConfig:
     tau_max: float = 0.0
     seed: int = 0
     eos_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
     result_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -138,11 +139,16 @@ class _Draft:
 class HeadEngine:
     """Runs one generation over a backend; the drafter is None for `ar`."""
 
-    def __init__(self, backend: TargetBackend, drafter: Drafter | None, cfg: GenerationConfig) -> None:
+    def __init__(
+        self, backend: TargetBackend, drafter: Drafter | None, cfg: GenerationConfig, tokenizer: Decoder | None = None
+    ) -> None:
         if cfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {cfg.mode} needs a drafter (a draft model store or 'ngram')")
+        if cfg.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need the target's tokenizer")
         self.backend = backend
         self.drafter = drafter
+        self.tokenizer = tokenizer
         self.cfg = cfg
         self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max)
         self.adaptive = AdaptiveVerifier(tau_max=cfg.tau_max) if cfg.mode == "dsd-adaptive" else None
@@ -201,20 +207,14 @@ class HeadEngine:
             if cfg.mode in ("dsd", "dsd-adaptive") and gamma_next > 0:
                 # Draft the next window during the trip, assuming this one is fully accepted.
                 arrived = trio.Event()
-                logits: torch.Tensor | None = None
-
-                async def wait_result() -> None:
-                    nonlocal logits
-                    logits = await self.backend.collect(epoch=epoch, rows=len(drafts.tokens) + 1)
-                    arrived.set()
-
+                box: list[torch.Tensor] = []
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(wait_result)
+                    nursery.start_soon(self._collect_into, box, arrived, epoch, len(drafts.tokens) + 1)
                     pre = await self._draft(committed + drafts.tokens, gamma_next + 1, stop=arrived)
                     t_wait = time.perf_counter()
                     await arrived.wait()
                     self.times.waiting += time.perf_counter() - t_wait
-                assert logits is not None
+                logits = box[0]
             else:
                 t_wait = time.perf_counter()
                 logits = await self.backend.collect(epoch=epoch, rows=len(drafts.tokens) + 1)
@@ -232,7 +232,7 @@ class HeadEngine:
                 accepted_total += k
                 per_round.append(k)
                 self.window.observe(gamma=gamma, accepted=k, draft_s_per_token=self._draft_token_s or 1e-3, round_s=round_s)
-            emitted, finished = self._clip(verdict_tokens, len(new))
+            emitted, finished = self._clip(verdict_tokens, new)
             new.extend(emitted)
             committed.extend(emitted)
             if on_tokens and emitted:
@@ -264,6 +264,10 @@ class HeadEngine:
             prefill_s=prefill_s,
         )
 
+    async def _collect_into(self, box: list[torch.Tensor], arrived: trio.Event, epoch: int, rows: int) -> None:
+        box.append(await self.backend.collect(epoch=epoch, rows=rows))
+        arrived.set()
+
     def _next_gamma(self, produced_after_window: int) -> int:
         """Window size for the next round, never drafting past max_new_tokens."""
         if self.cfg.mode == "ar":
@@ -278,14 +282,14 @@ class HeadEngine:
             tau = self.adaptive.taus(logits[: len(drafts.tokens)], q, drafts.tokens)
         verdict = verify_window(logits, drafts.tokens, q, self.cfg.params, self.gen, tau)
         if self.adaptive is not None and drafts.tokens:
-            self.adaptive.observe(logits[: len(drafts.tokens)], q, drafts.tokens)
+            self.adaptive.observe(logits, q, drafts.tokens, accepted=verdict.accepted)
         return list(verdict.tokens), verdict.accepted
 
-    def _clip(self, tokens: list[int], produced: int) -> tuple[list[int], bool]:
-        """Cut at the first EOS (kept) and at max_new_tokens; True when generation is over."""
-        out: list[int] = []
-        for tok in tokens:
-            out.append(tok)
-            if tok in self.cfg.eos_ids or produced + len(out) >= self.cfg.max_new_tokens:
-                return out, True
-        return out, False
+    def _clip(self, tokens: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """Cut at the first EOS or stop string (kept, as the target alone would) and at max_new_tokens."""
+        room = self.cfg.max_new_tokens - len(new)
+        stop = find_stop(
+            new + tokens, self.cfg.eos_ids, stop_strings=self.cfg.stop_strings, tokenizer=self.tokenizer, start=len(new)
+        )
+        keep = min(len(tokens), room) if stop is None else min(room, stop.length - len(new))
+        return tokens[:keep], stop is not None or keep >= room
