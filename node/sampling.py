@@ -95,12 +95,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     if probs.dim() != 1 or probs.numel() == 0:
         raise ValueError(f"probs must be a non-empty 1-D tensor, got shape {tuple(probs.shape)}")
     cdf = probs.double().cumsum(0)
-    total = float(cdf[-1])
-    if not math.isfinite(total) or total <= 0.0:
-        raise ValueError(f"probs must have positive finite total mass, got {total!r}")
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True)[0])
-    idx = min(idx, probs.numel() - 1)
+    total = cdf[-1]
+    if not bool(torch.isfinite(total)) or float(total) <= 0.0:
+        raise ValueError(f"probs must have positive finite total mass, got {float(total)!r}")
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    idx = min(int(torch.searchsorted(cdf, u * total, right=True)), probs.numel() - 1)
     # Float rounding can land on a trailing zero-mass entry: step back to mass.
     while idx > 0 and float(probs[idx]) <= 0.0:
         idx -= 1
