@@ -20,11 +20,13 @@ def sha256_file(path: str | Path) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call write(tmp_path) then rename tmp over path, so a crash never leaves a half file at path."""
+    """Call write(tmp_path) then rename tmp over path, so a crash never leaves a half file at path.
+    The file ends up world-readable (0644): stores are shared read-only data."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
