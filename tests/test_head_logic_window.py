@@ -1,0 +1,106 @@
+"""Window control: γ fills the round trip when drafts are accepted, shrinks when they are not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dsd.node.window import WindowController
+
+
+def feed(wc: WindowController, rounds: int, *, accept_all: bool, draft_s: float, round_s: float) -> int:
+    """Play `rounds` windows at the controller's own γ; return the final γ."""
+    for _ in range(rounds):
+        g = wc.next_gamma()
+        wc.observe(gamma=g, accepted=g if accept_all else 0, draft_s_per_token=draft_s, round_s=round_s)
+    return wc.next_gamma()
+
+
+def test_initial_gamma_before_any_measurement() -> None:
+    assert WindowController(initial=5).next_gamma() == 5
+
+
+def test_fixed_override_is_respected() -> None:
+    wc = WindowController(gamma=7, gamma_max=4, initial=2)
+    assert feed(wc, 20, accept_all=False, draft_s=0.01, round_s=0.01) == 7
+    assert feed(wc, 20, accept_all=True, draft_s=0.0001, round_s=1.0) == 7
+
+
+def test_grows_to_fill_the_round_trip_when_accepted() -> None:
+    wc = WindowController(gamma_max=16, initial=2)
+    g = feed(wc, 40, accept_all=True, draft_s=0.005, round_s=0.04)
+    assert 7 <= g <= 9, g  # 0.04 s of round trip holds 8 drafts of 5 ms
+    assert g * 0.005 <= 0.04 * 1.2
+    wc2 = WindowController(gamma_max=16, initial=2)
+    assert feed(wc2, 40, accept_all=True, draft_s=0.001, round_s=0.5) == 16  # bounded above
+
+
+def test_shrinks_when_acceptance_is_low() -> None:
+    wc = WindowController(gamma_max=16, initial=8)
+    feed(wc, 30, accept_all=True, draft_s=0.001, round_s=0.1)
+    assert wc.next_gamma() >= 12
+    g = feed(wc, 30, accept_all=False, draft_s=0.001, round_s=0.1)
+    assert g <= 2 and wc.alpha < 0.1
+
+
+def test_without_overlap_drafting_cost_limits_gamma() -> None:
+    hidden = WindowController(overlap=True)
+    waited = WindowController(overlap=False)
+    for wc in (hidden, waited):
+        for _ in range(30):
+            g = wc.next_gamma()
+            # About 80 % of the drafts are accepted.
+            wc.observe(gamma=g, accepted=int(0.8 * g), draft_s_per_token=0.01, round_s=0.1)
+    assert waited.next_gamma() < hidden.next_gamma()
+
+
+def test_always_within_bounds_under_random_measurements() -> None:
+    rng = random.Random(0)
+    wc = WindowController(gamma_min=2, gamma_max=9, initial=3)
+    for _ in range(500):
+        g = wc.next_gamma()
+        assert 2 <= g <= 9
+        wc.observe(
+            gamma=g,
+            accepted=rng.randint(0, g),
+            draft_s_per_token=rng.choice([0.0, 1e-4, 0.01, 0.3]),
+            round_s=rng.choice([0.0, 0.001, 0.05, 2.0]),
+        )
+
+
+def test_acceptance_estimate_is_the_truncated_geometric_mle() -> None:
+    wc = WindowController(decay=0.0, prior_weight=0.0)
+    wc.observe(gamma=4, accepted=2, draft_s_per_token=0.01, round_s=0.1)
+    assert wc.alpha == pytest.approx(2 / 3)  # 2 successes, then 1 failure
+    wc.observe(gamma=4, accepted=4, draft_s_per_token=0.01, round_s=0.1)
+    assert wc.alpha == 1.0  # no failure observed
+
+
+def test_expected_tokens_formula() -> None:
+    assert WindowController.expected_tokens(0.0, 5) == 1.0
+    assert WindowController.expected_tokens(1.0, 5) == 6.0
+    assert WindowController.expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"gamma": 0}, "fixed gamma"),
+        ({"gamma_min": 0}, "gamma_min"),
+        ({"gamma_min": 5, "gamma_max": 4}, "gamma_min"),
+        ({"initial": 40}, "initial"),
+        ({"decay": 1.0}, "decay"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        WindowController(**kwargs)
+
+
+def test_bad_observations_are_refused() -> None:
+    wc = WindowController()
+    with pytest.raises(ValueError, match="accepted"):
+        wc.observe(gamma=3, accepted=4, draft_s_per_token=0.1, round_s=0.1)
+    with pytest.raises(ValueError, match="round_s"):
+        wc.observe(gamma=3, accepted=1, draft_s_per_token=0.1, round_s=float("nan"))
