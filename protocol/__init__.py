@@ -1,1 +1,66 @@
-"""Sans-IO wire protocol: messages, framing, tensor and top-K codecs."""
+"""Sans-IO wire protocol: messages, framing, tensor and top-K codecs.
+
+Bytes in, typed messages out, or a `ProtocolError` naming the field that was wrong.
+No sockets, no event loop, no model code.
+"""
+
+from .errors import ProtocolError
+from .framing import FrameDecoder, decode_body, encode
+from .limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, check_version, parse_version
+from .messages import (
+    ERROR_CODES,
+    MESSAGE_TYPES,
+    Ack,
+    CloseSession,
+    DraftWindow,
+    Error,
+    Forward,
+    Hello,
+    Hop,
+    Message,
+    OpenSession,
+    Ping,
+    Pong,
+    Result,
+    TopKResult,
+    Truncate,
+)
+from .tensors import CODECS, WireTensor, decode_tensor, encode_tensor
+from .topk import aggregate, decode_ids, encode_ids, reconstruct, topk_from_probs
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_LIMITS",
+    "ERROR_CODES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "CloseSession",
+    "DraftWindow",
+    "Error",
+    "FrameDecoder",
+    "Forward",
+    "Hello",
+    "Hop",
+    "Limits",
+    "Message",
+    "OpenSession",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "Result",
+    "TopKResult",
+    "Truncate",
+    "WireTensor",
+    "aggregate",
+    "check_version",
+    "decode_body",
+    "decode_ids",
+    "decode_tensor",
+    "encode",
+    "encode_ids",
+    "encode_tensor",
+    "parse_version",
+    "reconstruct",
+    "topk_from_probs",
+]
