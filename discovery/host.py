@@ -1,0 +1,423 @@
+"""P2PNode: one py-libp2p host (TCP, noise, yamux) with a Kademlia DHT in server mode and dsd's record store.
+
+Run it as an async context manager inside the caller's trio code. It connects to the
+bootstrap peers, seeds the routing table from them, stores signed discovery records
+for the keys it is close to (`record_store`), and hands incoming streams of the
+protocols registered with `set_handler` to their handlers as `FramedStream`s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import IOException
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from .framing import FramedStream
+from .identity import peer_id_of
+from .record_store import (
+    MAX_RECORDS_PER_KEY,
+    MAX_RECORDS_PER_PUT,
+    RECORDS_PROTOCOL,
+    RecordStore,
+    RecordStoreError,
+    check_blobs,
+    check_key,
+    frame_length,
+    pack_message,
+    unpack_message,
+)
+from .records import record_key
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[FramedStream, str], Awaitable[None]]
+StreamWrapper = Callable[[Any], Any]
+
+
+class _DropLibp2pNoise(logging.Filter):
+    """Hide py-libp2p warnings that are normal churn: DHT peers hanging up, dead peers, shutdown races."""
+
+    NOISE = (
+        "Failed to read DHT message",
+        "Failed to open stream to",
+        "Cannot schedule task after service has stopped",
+        "Failed to open TCP stream",
+        "MultiselectClient handshake",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(n in msg for n in self.NOISE)
+
+
+for _name in (
+    "libp2p.kad_dht.kad_dht",
+    "libp2p.kad_dht.peer_routing",
+    "libp2p.network.swarm",
+    "libp2p.host.basic_host",
+    "libp2p.transport.tcp.tcp",
+    "libp2p.protocol_muxer.multiselect_client",
+):
+    logging.getLogger(_name).addFilter(_DropLibp2pNoise())
+
+# Kademlia replication: how many of the closest nodes store each record.
+REPLICATION = 20
+CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 3.0
+# A Kademlia lookup that has not finished by then falls back to the routing table's closest peers
+# (py-libp2p waits up to 10 s on each unresponsive peer it queries).
+LOOKUP_TIMEOUT_S = 4.0
+CLOSE_TIMEOUT_S = 2.0
+MAINTENANCE_INTERVAL_S = 15.0
+STORE_GC_INTERVAL_S = 1.0
+
+
+def _split_addr(addr: str) -> tuple[multiaddr.Multiaddr, str | None]:
+    """(transport multiaddr, peer id or None) for an address with or without /p2p/<id>."""
+    try:
+        ma = multiaddr.Multiaddr(addr)
+    except Exception as exc:
+        raise ValueError(f"bad multiaddr {addr!r}: {exc}") from None
+    if "/p2p/" in addr:
+        info = info_from_p2p_addr(ma)
+        return info.addrs[0], info.peer_id.to_base58()
+    return ma, None
+
+
+class P2PNode:
+    """A libp2p host plus Kademlia DHT (server mode) plus the dsd record store; an async context manager."""
+
+    def __init__(
+        self,
+        key_pair: KeyPair,
+        listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        bootstrap: Sequence[str] = (),
+        stream_wrapper: StreamWrapper | None = None,
+        allow_peers: set[str] | None = None,
+        *,
+        wrap_incoming: bool = True,
+        require_bootstrap: bool = True,
+    ) -> None:
+        self.key_pair = key_pair
+        self.peer_id: str = peer_id_of(key_pair)
+        self.listen_addrs = [_split_addr(a)[0] for a in listen_addrs]
+        self.bootstrap = list(bootstrap)
+        for b in self.bootstrap:
+            if _split_addr(b)[1] is None:
+                raise ValueError(f"bootstrap address {b!r} must end in /p2p/<peer id>")
+        self.stream_wrapper = stream_wrapper
+        self.wrap_incoming = wrap_incoming
+        self.allow_peers = None if allow_peers is None else set(allow_peers)
+        self.require_bootstrap = require_bootstrap
+        self.store = RecordStore(key_for_model=record_key)
+        self.host: Any = None
+        self.dht: KadDHT | None = None
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._handlers: dict[str, Handler] = {}
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def __aenter__(self) -> P2PNode:
+        noise = NoiseTransport(self.key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
+        self.host = new_host(
+            key_pair=self.key_pair,
+            sec_opt={NOISE_PROTOCOL_ID: noise},
+            muxer_preference="YAMUX",
+            listen_addrs=self.listen_addrs,
+        )
+        self.dht = KadDHT(self.host, DHTMode.SERVER)
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await stack.enter_async_context(self.host.run(listen_addrs=self.listen_addrs))
+            await stack.enter_async_context(background_trio_service(self.dht))
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
+            for pid, handler in self._handlers.items():
+                self._install(pid, handler)
+            if self.bootstrap:
+                reached = await self.join()
+                if not reached and self.require_bootstrap:
+                    raise ConnectionError(f"no bootstrap peer reachable: {', '.join(self.bootstrap)}")
+            self._nursery.start_soon(self._maintain)
+        except BaseException:
+            await stack.__aexit__(None, None, None)
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        self._nursery = None
+        if stack is None:
+            return
+        # Close connections explicitly so remote peers see us go now (not when sockets are collected).
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                try:
+                    await self.host.close()
+                except Exception as exc:
+                    log.debug("host close: %r", exc)
+        await stack.__aexit__(None, None, None)
+
+    @property
+    def addrs(self) -> list[str]:
+        """Full multiaddrs of this node, each ending in /p2p/<peer id>."""
+        if self.host is None:
+            return []
+        return [str(a) for a in self.host.get_addrs()]
+
+    # --- joining the DHT -------------------------------------------------------
+
+    async def join(self) -> int:
+        """Connect to the bootstrap peers, add them to the routing table, then look ourselves up.
+
+        The self-lookup makes the bootstrap peers add us to their tables and returns the
+        peers near us, which we add to ours. Returns how many bootstrap peers answered.
+        """
+        assert self.dht is not None
+        reached = 0
+        for addr in self.bootstrap:
+            ma, pid = _split_addr(addr)
+            if pid == self.peer_id:
+                continue
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT_S):
+                    await self.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+                    await self.dht.add_peer(ID.from_base58(pid), skip_server_mode_check=True)
+                reached += 1
+            except trio.TooSlowError:
+                log.warning("bootstrap %s: no answer within %.0f s", addr, CONNECT_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("bootstrap %s unreachable: %r", addr, exc)
+        if reached:
+            await self._refresh_table()
+        return reached
+
+    async def _refresh_table(self) -> None:
+        assert self.dht is not None
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            found = await self.dht.peer_routing.find_closest_peers_network(ID.from_base58(self.peer_id).to_bytes())
+            for pid in found:
+                if pid.to_base58() != self.peer_id:
+                    await self.dht.add_peer(pid, skip_server_mode_check=True)
+
+    async def _maintain(self) -> None:
+        """Expire stored records often; rejoin if the routing table emptied; refresh it now and then."""
+        last_refresh = trio.current_time()
+        while True:
+            await trio.sleep(STORE_GC_INTERVAL_S)
+            self.store.expire()
+            if trio.current_time() - last_refresh < MAINTENANCE_INTERVAL_S:
+                continue
+            last_refresh = trio.current_time()
+            try:
+                if self.bootstrap and self.routing_table_size() == 0:
+                    await self.join()
+                elif self.routing_table_size():
+                    await self._refresh_table()
+            except Exception as exc:
+                log.debug("routing table maintenance failed: %r", exc)
+
+    def routing_table_size(self) -> int:
+        return 0 if self.dht is None else self.dht.get_routing_table_size()
+
+    # --- streams ----------------------------------------------------------------
+
+    def set_handler(self, protocol_id: str, handler: Handler) -> None:
+        """Serve `protocol_id`: each incoming stream goes to handler(framed stream, remote peer id)."""
+        self._handlers[protocol_id] = handler
+        if self.host is not None:
+            self._install(protocol_id, handler)
+
+    def _install(self, protocol_id: str, handler: Callable[..., Awaitable[None]], framed: bool = True) -> None:
+        async def on_stream(stream: Any) -> None:
+            remote = stream.muxed_conn.peer_id.to_base58()
+            if self.allow_peers is not None and remote not in self.allow_peers:
+                log.info("reset %s stream from %s: not in allow_peers", protocol_id, remote)
+                await _quiet(stream.reset())
+                return
+            if self.stream_wrapper is not None and self.wrap_incoming:
+                stream = self.stream_wrapper(stream)
+            fs: Any = FramedStream(stream, remote=remote) if framed else stream
+            try:
+                await handler(fs, remote)
+            except Exception as exc:
+                level = logging.DEBUG if isinstance(exc, (EOFError, ConnectionError, IOException)) else logging.WARNING
+                log.log(level, "%s handler for %s failed: %r", protocol_id, remote, exc)
+                await _quiet(stream.reset())
+                return
+            await _quiet(stream.close())
+
+        self.host.set_stream_handler(TProtocol(protocol_id), on_stream)
+
+    def _remember(self, peer_id: str, addrs: Sequence[str]) -> ID:
+        pid = ID.from_base58(peer_id)
+        mas = []
+        for a in addrs:
+            ma, embedded = _split_addr(a)
+            if embedded is not None and embedded != peer_id:
+                raise ValueError(f"address {a} belongs to {embedded}, not {peer_id}")
+            mas.append(ma)
+        if mas:
+            self.host.get_peerstore().add_addrs(pid, mas, 0)
+        return pid
+
+    async def open_raw(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> Any:
+        """A new libp2p stream to `peer_id` (dialling `addrs` if not connected), through stream_wrapper."""
+        if self.host is None:
+            raise RuntimeError("P2PNode is not running (use `async with`)")
+        if peer_id == self.peer_id:
+            raise ValueError("cannot open a stream to ourselves")
+        pid = self._remember(peer_id, addrs)
+        stream = await self.host.new_stream(pid, [TProtocol(protocol_id)])
+        return self.stream_wrapper(stream) if self.stream_wrapper is not None else stream
+
+    async def open(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> FramedStream:
+        """A FramedStream to `peer_id` speaking `protocol_id`; connects if needed."""
+        return FramedStream(await self.open_raw(peer_id, addrs, protocol_id), remote=peer_id)
+
+    # --- record store: server side -------------------------------------------
+
+    async def _serve_records(self, stream: Any, remote: str) -> None:
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                req = unpack_message(await _read_frame(stream))
+                key = check_key(req.get("key"))
+                if req.get("op") == "put":
+                    blobs = check_blobs(req.get("records"), MAX_RECORDS_PER_PUT)
+                    stored = sum(self.store.put(key, b) for b in blobs)
+                    reply: dict[str, Any] = {"stored": stored}
+                elif req.get("op") == "get":
+                    reply = {"records": self.store.get(key)}
+                else:
+                    raise RecordStoreError(f"unknown record-store op {req.get('op')!r}")
+        except RecordStoreError as exc:
+            reply = {"error": str(exc)}
+        except (EOFError, trio.TooSlowError):
+            return
+        with trio.move_on_after(REQUEST_TIMEOUT_S):
+            await stream.write(pack_message(reply))
+
+    # --- record store: client side --------------------------------------------
+
+    async def _request(self, peer: ID, msg: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            with trio.fail_after(REQUEST_TIMEOUT_S):
+                stream = await self.host.new_stream(peer, [TProtocol(RECORDS_PROTOCOL)])
+                try:
+                    await stream.write(pack_message(msg))
+                    reply = unpack_message(await _read_frame(stream))
+                finally:
+                    await _quiet(stream.close())
+        except Exception as exc:
+            log.debug("record-store request to %s failed: %r", peer, exc)
+            await self._forget(peer)
+            return None
+        if "error" in reply:
+            log.debug("record-store peer %s refused: %s", peer, reply["error"])
+            return None
+        return reply
+
+    async def _forget(self, peer: ID) -> None:
+        """Drop an unresponsive peer from the routing table and close its connections."""
+        if self.dht is not None:
+            self.dht.routing_table.remove_peer(peer)
+        with trio.move_on_after(CLOSE_TIMEOUT_S):
+            await _quiet(self.host.disconnect(peer))
+
+    async def _closest(self, key: bytes) -> list[ID]:
+        """The nodes closest to `key`: a Kademlia lookup, or the routing table's view if it is slow."""
+        assert self.dht is not None
+        found: list[ID] | None = None
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            found = await self.dht.peer_routing.find_closest_peers_network(key, REPLICATION)
+        if found is None:
+            log.debug("DHT lookup took over %.0f s; using the routing table", LOOKUP_TIMEOUT_S)
+            found = self.dht.routing_table.find_local_closest_peers(key, REPLICATION)
+        me = ID.from_base58(self.peer_id)
+        return [p for p in found if p != me][:REPLICATION]
+
+    async def put_records(self, key: bytes, blobs: Sequence[bytes]) -> int:
+        """Store signed records under `key` here and on the closest nodes; returns how many nodes took them."""
+        check_key(key)
+        blobs = check_blobs(list(blobs), MAX_RECORDS_PER_PUT)
+        stored = 1 if any([self.store.put(key, b) for b in blobs]) else 0
+        count = [stored]
+
+        async def one(peer: ID) -> None:
+            reply = await self._request(peer, {"op": "put", "key": key, "records": blobs})
+            if reply is not None and isinstance(reply.get("stored"), int) and reply["stored"] > 0:
+                count[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self._closest(key):
+                nursery.start_soon(one, peer)
+        return count[0]
+
+    async def get_records(self, key: bytes) -> list[bytes]:
+        """Every signed record under `key` held here or by the closest nodes (unverified, deduplicated)."""
+        check_key(key)
+        blobs: dict[bytes, None] = dict.fromkeys(self.store.get(key))
+
+        async def one(peer: ID) -> None:
+            reply = await self._request(peer, {"op": "get", "key": key})
+            if reply is None:
+                return
+            try:
+                got = check_blobs(reply.get("records"), MAX_RECORDS_PER_KEY)
+            except RecordStoreError as exc:
+                log.debug("bad record-store reply from %s: %s", peer, exc)
+                return
+            for b in got:
+                blobs.setdefault(b, None)
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self._closest(key):
+                nursery.start_soon(one, peer)
+        return list(blobs)
+
+
+async def _read_exactly(stream: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = await stream.read(n - len(buf))
+        except EOFError:
+            chunk = b""
+        if not chunk:
+            raise EOFError(f"stream ended after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _read_frame(stream: Any) -> bytes:
+    return await _read_exactly(stream, frame_length(await _read_exactly(stream, 4)))
+
+
+async def _quiet(aw: Awaitable[Any]) -> None:
+    try:
+        await aw
+    except trio.Cancelled:
+        raise
+    except Exception:
+        pass
+

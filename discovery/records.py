@@ -1,0 +1,340 @@
+"""Discovery records: who serves which blocks of which model, signed by the serving peer, with expiry.
+
+A record is published under the DHT key of its model (see `record_key`) by the peer
+it describes, refreshed every TTL/3 by an `Announcer`, and dropped by readers and
+storing nodes once `expires` passes, so a dead peer's records are gone within the TTL.
+
+`throughput` is the tokens per second the peer pushes through its whole announced
+span [start, end) (one decode step); per-block compute time is therefore
+1 / (throughput * (end - start)) seconds per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+if TYPE_CHECKING:
+    from .host import P2PNode
+
+log = logging.getLogger(__name__)
+
+RECORD_DOMAIN = b"dsd-record/1\x00"  # signature domain separation
+ROLES = ("block", "federated")
+MAX_RECORD_BYTES = 8 * 1024
+MAX_STR = 256
+MAX_ADDRS = 16
+DEFAULT_TTL_S = 30.0
+
+
+class RecordError(ValueError):
+    """A record that is malformed, wrongly signed or signed by someone other than its peer id."""
+
+
+def record_key(model: str) -> bytes:
+    """The 32-byte DHT key under which every record of `model` is stored."""
+    return hashlib.sha256(b"/dsd/records/1/" + model.encode("utf-8")).digest()
+
+
+def _check_str(name: str, value: object, *, empty_ok: bool = False) -> None:
+    if not isinstance(value, str):
+        raise RecordError(f"record field {name} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_STR or (not value and not empty_ok):
+        raise RecordError(f"record field {name} must have 1..{MAX_STR} characters")
+
+
+def _check_int(name: str, value: object, lo: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise RecordError(f"record field {name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_time(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RecordError(f"record field {name} must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One peer's announcement for one model: its span, speed, free KV cache and expiry (unix time)."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    model: str
+    start: int
+    end: int
+    role: str = "block"
+    throughput: float = 1.0  # tokens/s through the whole span [start, end)
+    version: str = ""
+    dtype: str = "float32"
+    cache_tokens_left: int = 0
+    expires: float = 0.0
+    issued: float = 0.0  # newer issued wins when a peer has several records stored
+    vocab_size: int | None = None  # federated workers only
+    topk_cap: int | None = None  # federated workers only: largest K it returns
+
+    def __post_init__(self) -> None:
+        _check_str("peer_id", self.peer_id)
+        if not isinstance(self.addrs, tuple) or len(self.addrs) > MAX_ADDRS:
+            raise RecordError(f"record field addrs must be a tuple of at most {MAX_ADDRS} strings")
+        for a in self.addrs:
+            _check_str("addrs", a)
+        _check_str("model", self.model)
+        _check_int("start", self.start)
+        _check_int("end", self.end, lo=1)
+        if self.end <= self.start:
+            raise RecordError(f"record span {self.start}:{self.end} is empty (end must exceed start)")
+        if self.role not in ROLES:
+            raise RecordError(f"record field role must be one of {ROLES}, got {self.role!r}")
+        _check_time("throughput", self.throughput)
+        if not self.throughput > 0:
+            raise RecordError(f"record field throughput must be > 0, got {self.throughput!r}")
+        _check_str("version", self.version, empty_ok=True)
+        _check_str("dtype", self.dtype)
+        _check_int("cache_tokens_left", self.cache_tokens_left)
+        _check_time("expires", self.expires)
+        _check_time("issued", self.issued)
+        if self.role == "federated":
+            _check_int("vocab_size", self.vocab_size, lo=1)
+            _check_int("topk_cap", self.topk_cap, lo=1)
+        else:
+            for name in ("vocab_size", "topk_cap"):
+                value = getattr(self, name)
+                if value is not None:
+                    _check_int(name, value, lo=1)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    def live(self, now: float | None = None) -> bool:
+        """True while the record has not expired (a withdrawn record has expires <= issued)."""
+        now = time.time() if now is None else now
+        return self.expires > now and self.expires > self.issued
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["addrs"] = list(self.addrs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PeerRecord:
+        """Build from a decoded dict; unknown keys (from newer versions) are ignored."""
+        if not isinstance(d, dict):
+            raise RecordError("record body must be a map")
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if not isinstance(known.get("addrs"), (list, tuple)):
+            raise RecordError("record field addrs must be a list of strings")
+        known["addrs"] = tuple(known["addrs"])
+        for name in ("throughput", "expires", "issued"):
+            if isinstance(known.get(name), int) and not isinstance(known.get(name), bool):
+                known[name] = float(known[name])
+        try:
+            return cls(**known)
+        except TypeError as exc:
+            raise RecordError(f"record is missing fields: {exc}") from None
+
+
+def sign_record(record: PeerRecord, key_pair: KeyPair) -> bytes:
+    """Serialize and sign `record` with the key of the peer it names (the peer ids must match)."""
+    signer = ID.from_pubkey(key_pair.public_key).to_base58()
+    if signer != record.peer_id:
+        raise RecordError(f"record names peer {record.peer_id} but the key belongs to {signer}")
+    body = msgpack.packb(record.to_dict(), use_bin_type=True)
+    sig = key_pair.private_key.sign(RECORD_DOMAIN + body)
+    return msgpack.packb({"body": body, "pk": key_pair.public_key.serialize(), "sig": sig}, use_bin_type=True)
+
+
+def verify_record(blob: bytes) -> PeerRecord:
+    """Decode a signed record; RecordError unless the signature holds and the key matches the peer id."""
+    if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_RECORD_BYTES:
+        raise RecordError(f"signed record must be bytes of at most {MAX_RECORD_BYTES}")
+    try:
+        outer = msgpack.unpackb(blob, raw=False, max_bin_len=MAX_RECORD_BYTES, max_str_len=MAX_RECORD_BYTES,
+                                max_array_len=64, max_map_len=64)
+    except Exception as exc:
+        raise RecordError(f"signed record is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(outer, dict) or not all(isinstance(outer.get(k), bytes) for k in ("body", "pk", "sig")):
+        raise RecordError("signed record must be a map with bytes fields body, pk, sig")
+    try:
+        public_key = deserialize_public_key(outer["pk"])
+        ok = public_key.verify(RECORD_DOMAIN + outer["body"], outer["sig"])
+    except Exception as exc:
+        raise RecordError(f"signed record has an unusable public key ({type(exc).__name__})") from None
+    if not ok:
+        raise RecordError("record signature does not verify")
+    try:
+        body = msgpack.unpackb(outer["body"], raw=False, max_array_len=MAX_ADDRS + 4, max_map_len=64)
+    except Exception as exc:
+        raise RecordError(f"record body is not valid msgpack ({type(exc).__name__})") from None
+    record = PeerRecord.from_dict(body)
+    signer = ID.from_pubkey(public_key).to_base58()
+    if signer != record.peer_id:
+        raise RecordError(f"record names peer {record.peer_id} but is signed by {signer}")
+    return record
+
+
+def newest_live(records: Iterable[PeerRecord], now: float | None = None) -> list[PeerRecord]:
+    """Keep each peer's most recently issued record (per model and role), then drop expired ones."""
+    now = time.time() if now is None else now
+    best: dict[tuple[str, str, str], PeerRecord] = {}
+    for rec in records:
+        k = (rec.peer_id, rec.model, rec.role)
+        if k not in best or rec.issued > best[k].issued:
+            best[k] = rec
+    return sorted((r for r in best.values() if r.live(now)), key=lambda r: (r.start, r.end, r.peer_id))
+
+
+class Announcer:
+    """Publishes this peer's record(s) now and every `refresh_s` (default TTL/3), each valid for `ttl_s`.
+
+    `record_fn()` is called at every refresh so fields like free cache tokens stay current;
+    it returns one PeerRecord or several. peer_id is forced to the node's, addrs default
+    to the node's, issued/expires are set here. `await stop()` (while the node still runs)
+    publishes withdrawn copies (expires = issued) unless `withdraw_on_stop` is False;
+    otherwise the TTL removes the records.
+    """
+
+    def __init__(
+        self,
+        node: P2PNode,
+        record_fn: Callable[[], PeerRecord | Iterable[PeerRecord]],
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        refresh_s: float | None = None,
+        withdraw_on_stop: bool = True,
+    ) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.node = node
+        self.record_fn = record_fn
+        self.ttl_s = float(ttl_s)
+        self.refresh_s = float(refresh_s) if refresh_s is not None else self.ttl_s / 3
+        if not 0 < self.refresh_s < self.ttl_s:
+            raise ValueError(f"refresh_s must be in (0, ttl_s), got {self.refresh_s}")
+        self.withdraw_on_stop = withdraw_on_stop
+        self.published = 0  # successful publications (any storing node took the record)
+        self.last_stored_at = 0  # storing nodes reached at the last publication
+        self._last: list[PeerRecord] = []
+        self._scope: trio.CancelScope | None = None
+
+    @classmethod
+    def for_block_server(cls, node: P2PNode, server: Any, *, throughput: float, ttl_s: float = DEFAULT_TTL_S,
+                         **kw: Any) -> Announcer:
+        """An Announcer for a block server object with model_id, start, end and cache_tokens_left."""
+        version = _software_version()
+        dtype = str(getattr(server, "dtype", None) or getattr(getattr(server, "span", None), "dtype", "float32"))
+        dtype = dtype.removeprefix("torch.")
+
+        def record_fn() -> PeerRecord:
+            return PeerRecord(
+                peer_id=node.peer_id, addrs=tuple(node.addrs), model=server.model_id,
+                start=server.start, end=server.end, role="block", throughput=float(throughput),
+                version=version, dtype=dtype, cache_tokens_left=int(server.cache_tokens_left),
+            )
+
+        return cls(node, record_fn, ttl_s=ttl_s, **kw)
+
+    def _current(self, now: float, ttl: float) -> list[PeerRecord]:
+        got = self.record_fn()
+        recs = [got] if isinstance(got, PeerRecord) else list(got)
+        return [
+            replace(r, peer_id=self.node.peer_id, addrs=r.addrs or tuple(self.node.addrs), issued=now, expires=now + ttl)
+            for r in recs
+        ]
+
+    async def publish_once(self) -> int:
+        """Publish the current record(s) once; returns how many storing nodes accepted them (self included)."""
+        now = time.time()
+        recs = self._current(now, self.ttl_s)
+        self._last = recs
+        stored = await self._put(recs)
+        self.last_stored_at = stored
+        if stored:
+            self.published += 1
+        return stored
+
+    async def _put(self, recs: list[PeerRecord]) -> int:
+        by_model: dict[str, list[bytes]] = {}
+        for r in recs:
+            by_model.setdefault(r.model, []).append(sign_record(r, self.node.key_pair))
+        total = 0
+        for model, blobs in by_model.items():
+            total += await self.node.put_records(record_key(model), blobs)
+        return total
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish now, signal started, then refresh until cancelled or `stop()`ped."""
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            await self._publish_logged()
+            task_status.started()
+            while True:
+                await trio.sleep(self.refresh_s)
+                await self._publish_logged()
+
+    async def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop refreshing and, if withdraw_on_stop, publish withdrawn copies (expires = issued = now).
+
+        Call it while the node still runs: cancelling the node's nursery cancels libp2p's
+        own tasks too, so a withdrawal attempted during that cancellation cannot get out.
+        """
+        if self._scope is not None:
+            self._scope.cancel()
+        if not (self.withdraw_on_stop and self._last):
+            return
+        now = time.time()
+        gone = [replace(r, issued=now, expires=now) for r in self._last]
+        self._last = []
+        with trio.move_on_after(timeout_s):
+            try:
+                await self._put(gone)
+            except Exception as exc:  # best effort: the TTL removes the records anyway
+                log.debug("withdrawing records failed: %r", exc)
+
+    async def _publish_logged(self) -> None:
+        try:
+            with trio.move_on_after(self.refresh_s):
+                stored = await self.publish_once()
+                if not stored:
+                    log.warning("record published to no storing node")
+        except Exception as exc:
+            log.warning("publishing discovery record failed: %r", exc)
+
+
+def _software_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"dsd/{version('dsd')}"
+    except PackageNotFoundError:
+        return "dsd/unknown"
+
+
+async def fetch_records(node: P2PNode, model: str, num_layers: int) -> list[PeerRecord]:
+    """Every live record for `model` found in the DHT; expired, invalid or out-of-range ones dropped.
+
+    num_layers <= 0 means unknown: no range check.
+    """
+    blobs = await node.get_records(record_key(model))
+    recs: list[PeerRecord] = []
+    for blob in blobs:
+        try:
+            rec = verify_record(blob)
+        except RecordError as exc:
+            log.debug("dropping record: %s", exc)
+            continue
+        if rec.model != model or (num_layers > 0 and rec.end > num_layers):
+            continue
+        recs.append(rec)
+    return newest_live(recs)
