@@ -43,9 +43,10 @@ class NgramDrafter:
         lo = max(0, n_ctx - self.max_lookback)
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             tail = ctx[n_ctx - n :]
+            last = tail[-1]
             # Latest earlier occurrence whose continuation starts inside the context.
             for s in range(n_ctx - n - 1, lo - 1, -1):
-                if ctx[s : s + n] == tail:
+                if ctx[s + n - 1] == last and ctx[s : s + n] == tail:
                     return ctx[s + n : s + n + want]
         return []
 
@@ -174,12 +175,16 @@ class ModelDrafter:
         if self._cache is None:
             self._cache = self._new_cache()
         device = self.model.get_output_embeddings().weight.device
-        out = self.model(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: self._cache},
-        )
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: self._cache},
+            )
+        except BaseException:
+            self.reset()  # a forward that failed midway may have updated only some layers
+            raise
         self._cached.extend(ids)
         return out.logits[0, -1].float().cpu()
 

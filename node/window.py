@@ -11,7 +11,9 @@ Model (per round, i.i.d. acceptance α per draft token, estimated online):
 R = measured round time of a window, d = measured drafting time per token,
 both EWMAs; α = EWMA(accepted) / EWMA(trials), where a round with k accepted
 out of γ counts k successes in k trials plus one failed trial if k < γ (the
-truncated-geometric MLE). Before any observation γ = `initial`; a fixed
+truncated-geometric MLE); θ = `useful_threshold` (0.05). R should be the time
+from sending a window to having its target logits (network + peers' compute).
+Before any observation γ = `initial` (clamped into the bounds); a fixed
 `gamma` overrides everything.
 """
 
@@ -42,8 +44,8 @@ class WindowController:
             raise ValueError(f"need integers 1 <= gamma_min <= gamma_max, got {gamma_min!r}, {gamma_max!r}")
         if gamma is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
             raise ValueError(f"fixed gamma must be an integer >= 1, got {gamma!r}")
-        if not (isinstance(initial, int) and gamma_min <= initial <= gamma_max):
-            raise ValueError(f"initial gamma must be in [{gamma_min}, {gamma_max}], got {initial!r}")
+        if not isinstance(initial, int) or isinstance(initial, bool) or initial < 1:
+            raise ValueError(f"initial gamma must be an integer >= 1, got {initial!r}")
         if not (0.0 <= decay < 1.0):
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         if not (0.0 <= prior_alpha <= 1.0) or prior_weight < 0:
@@ -53,7 +55,7 @@ class WindowController:
         self.fixed = gamma
         self.gamma_min = gamma_min
         self.gamma_max = gamma_max
-        self.initial = initial
+        self.initial = min(max(initial, gamma_min), gamma_max)  # a default must not clash with bounds
         self.overlap = overlap
         self.decay = decay
         self.useful_threshold = useful_threshold

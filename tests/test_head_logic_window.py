@@ -19,6 +19,7 @@ def feed(wc: WindowController, rounds: int, *, accept_all: bool, draft_s: float,
 
 def test_initial_gamma_before_any_measurement() -> None:
     assert WindowController(initial=5).next_gamma() == 5
+    assert WindowController(gamma_max=2).next_gamma() == 2  # the default initial is clamped
 
 
 def test_fixed_override_is_respected() -> None:
@@ -89,7 +90,7 @@ def test_expected_tokens_formula() -> None:
         ({"gamma": 0}, "fixed gamma"),
         ({"gamma_min": 0}, "gamma_min"),
         ({"gamma_min": 5, "gamma_max": 4}, "gamma_min"),
-        ({"initial": 40}, "initial"),
+        ({"initial": 0}, "initial"),
         ({"decay": 1.0}, "decay"),
     ],
 )
