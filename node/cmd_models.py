@@ -7,15 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsd.shard_store import Store, StoreError
-from dsd.shard_store.default_models import (
-    DEFAULT_PAIR,
-    DefaultModel,
-    default_cache,
-    default_store_paths,
-    prepare_model,
-)
-from dsd.shard_store.dtypes import DTYPES
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -27,6 +18,16 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+
+from dsd.shard_store import Store, StoreError
+from dsd.shard_store.default_models import (
+    DEFAULT_PAIR,
+    DefaultModel,
+    default_cache,
+    default_store_paths,
+    prepare_model,
+)
+from dsd.shard_store.dtypes import DTYPES
 
 
 def register(subparsers: Any) -> None:
