@@ -48,6 +48,8 @@ def _check_window(
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
         shape = tuple(target_logits.shape) if isinstance(target_logits, torch.Tensor) else type(target_logits).__name__
         raise ValueError(f"target_logits must be a 2-D tensor [gamma+1, V], got {shape}")
+    if not target_logits.is_floating_point() or torch.isnan(target_logits).any():
+        raise ValueError("target_logits must be floating point and free of NaN")
     drafts = [int(t) for t in draft_tokens]
     gamma = len(drafts)
     rows, vocab = target_logits.shape

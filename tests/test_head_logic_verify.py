@@ -112,6 +112,8 @@ def test_bad_windows_are_refused_with_clear_errors() -> None:
         verify_window(logits, [1, 2], None, GREEDY, None, tau=torch.tensor([0.0, 1.5]))
     with pytest.raises(ValueError, match="2-D"):
         verify_window(torch.zeros(8), [], None, GREEDY, None)
+    with pytest.raises(ValueError, match="NaN"):
+        verify_window(torch.full((1, 8), float("nan")), [], None, GREEDY, None)
     q = torch.tensor([[0.0, 0.0, 1.0] + [0.0] * 5, [0.125] * 8])
     with pytest.raises(ValueError, match="draft probability"):
         verify_window(logits, [1, 2], q, SamplingParams(temperature=1.0), torch.Generator())
