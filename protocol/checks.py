@@ -42,6 +42,11 @@ def check_str(value: object, field: str, max_len: int, *, empty: bool = False) -
         raise ProtocolError(f"longer than {max_len} characters ({len(value)})", field, LIMIT)
     if not value and not empty:
         raise ProtocolError("must not be empty", field)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError("is not valid UTF-8 (lone surrogate)", field) from None
     return value
 
 

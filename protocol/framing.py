@@ -56,12 +56,11 @@ class FrameDecoder:
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         self._buf = bytearray()
-        self._need: int | None = None  # body length of the frame being read
         self._broken: ProtocolError | None = None
 
     @property
     def pending(self) -> bytes:
-        """Bytes received but not yet part of a complete frame."""
+        """Bytes received but not yet returned as a message (a partial frame, header included)."""
         return bytes(self._buf)
 
     def feed(self, data: bytes) -> list[Message]:
@@ -73,26 +72,21 @@ class FrameDecoder:
         self._buf += data
         out: list[Message] = []
         try:
-            while True:
-                if self._need is None:
-                    if len(self._buf) < HEADER.size:
-                        break
-                    (size,) = HEADER.unpack_from(self._buf)
-                    if size > self.limits.max_frame_bytes:
-                        raise ProtocolError(
-                            f"header claims {size} bytes, more than max_frame_bytes {self.limits.max_frame_bytes}",
-                            "frame_length",
-                            LIMIT,
-                        )
-                    if size == 0:
-                        raise ProtocolError("empty frame", "frame_length", BAD_FRAME)
-                    del self._buf[: HEADER.size]
-                    self._need = size
-                if len(self._buf) < self._need:
+            while len(self._buf) >= HEADER.size:
+                (size,) = HEADER.unpack_from(self._buf)
+                if size > self.limits.max_frame_bytes:
+                    raise ProtocolError(
+                        f"header claims {size} bytes, more than max_frame_bytes {self.limits.max_frame_bytes}",
+                        "frame_length",
+                        LIMIT,
+                    )
+                if size == 0:
+                    raise ProtocolError("empty frame", "frame_length", BAD_FRAME)
+                end = HEADER.size + size
+                if len(self._buf) < end:
                     break
-                body = bytes(self._buf[: self._need])
-                del self._buf[: self._need]
-                self._need = None
+                body = bytes(self._buf[HEADER.size : end])
+                del self._buf[:end]
                 out.append(decode_body(body, self.limits))
         except ProtocolError as exc:
             self._broken = exc

@@ -175,12 +175,12 @@ def _float_source(array: np.ndarray, codec: str) -> np.ndarray:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of float32 values, rounded to nearest even; NaN stays a quiet NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    u = np.asarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
     nan = np.isnan(u.view(np.float32))
     rounded = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
     if nan.any():
         rounded = np.where(nan, (u >> np.uint32(16)) | np.uint32(0x0040), rounded)
-    return rounded.astype(np.uint16)
+    return rounded.astype(np.uint16).reshape(np.shape(x))
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -239,11 +239,11 @@ def encode_tensor(
     wblock: int | None = None
     wscale: str | None = None
     if codec == "raw":
-        data = np.ascontiguousarray(a, dtype=np.dtype(DTYPES[a.dtype.name])).tobytes()
+        data = a.astype(DTYPES[a.dtype.name]).tobytes()
     elif codec == "fp16":
         src = _float_source(a, codec)
         with np.errstate(over="ignore"):
-            half = np.ascontiguousarray(src, dtype="<f2")
+            half = src.astype("<f2")
         if not np.array_equal(np.isfinite(half), np.isfinite(src)):
             raise ProtocolError("values beyond fp16 range (65504); use bf16 or raw", "data", BAD_TENSOR)
         data = half.tobytes()
