@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .errors import StoreError
+
+if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import and the CLI starts often
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def adapter_for(family: str) -> FamilyAdapter:
 
 def config_from_dict(data: dict[str, Any], attn_implementation: str = "sdpa") -> PretrainedConfig:
     """Rebuild a transformers config from its stored dict, with the attention kernel set."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = data.get("model_type")
     adapter_for(str(model_type))
     try:

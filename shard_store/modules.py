@@ -6,13 +6,17 @@ causal mask, per-span cache) lives here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from .errors import StoreError
 from .families import FamilyAdapter
 from .kv_cache import SpanCache
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class HeadModule(nn.Module):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
 
 from .dtypes import torch_dtype
 from .errors import StoreError
@@ -17,6 +16,9 @@ from .families import FamilyAdapter, adapter_for, config_from_dict
 from .files import sha256_file
 from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, layer_file
 from .modules import HeadModule, SpanModule
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 class Store:

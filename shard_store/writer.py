@@ -13,11 +13,10 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import PreTrainedModel
 
 from .dtypes import torch_dtype
 from .errors import StoreError
@@ -32,6 +31,9 @@ from .manifest import (
     Manifest,
     layer_file,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
