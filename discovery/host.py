@@ -27,7 +27,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from .framing import FramedStream
+from .framing import FramedStream, LinkError
 from .identity import peer_id_of
 from .record_store import (
     MAX_RECORDS_PER_KEY,
@@ -282,13 +282,21 @@ class P2PNode:
         return pid
 
     async def open_raw(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> Any:
-        """A new libp2p stream to `peer_id` (dialling `addrs` if not connected), through stream_wrapper."""
+        """A new libp2p stream to `peer_id` (dialling `addrs` if not connected), through stream_wrapper.
+
+        Raises LinkError (a ConnectionError) when the peer cannot be reached or refuses the protocol.
+        """
         if self.host is None:
             raise RuntimeError("P2PNode is not running (use `async with`)")
         if peer_id == self.peer_id:
             raise ValueError("cannot open a stream to ourselves")
         pid = self._remember(peer_id, addrs)
-        stream = await self.host.new_stream(pid, [TProtocol(protocol_id)])
+        try:
+            stream = await self.host.new_stream(pid, [TProtocol(protocol_id)])
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # dial failures, refused protocols, resets during negotiation
+            raise LinkError(f"cannot open {protocol_id} to {peer_id}: {exc!r}") from exc
         return self.stream_wrapper(stream) if self.stream_wrapper is not None else stream
 
     async def open(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> FramedStream:

@@ -1,0 +1,236 @@
+"""Real libp2p hosts on 127.0.0.1: DHT records, expiry, signatures, ping, framing, allow_peers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import msgpack
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from dsd.discovery.framing import FramedStream, LinkError
+from dsd.discovery.host import P2PNode
+from dsd.discovery.ping import install_ping_handler, measure_rtt
+from dsd.discovery.record_store import RecordStore
+from dsd.discovery.records import (
+    Announcer,
+    PeerRecord,
+    RecordError,
+    fetch_records,
+    record_key,
+    sign_record,
+    verify_record,
+)
+from dsd.protocol import Ping, Pong
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(60)]
+logging.getLogger("dsd").setLevel(logging.INFO)
+
+MODEL = "tiny-test-model"
+
+
+def block_record(node: P2PNode, start: int, end: int, cache: int = 1000) -> PeerRecord:
+    return PeerRecord(node.peer_id, tuple(node.addrs), MODEL, start, end, throughput=100.0,
+                      version="dsd/test", dtype="float32", cache_tokens_left=cache)
+
+
+async def serve_span(boot: str, start: int, end: int, ttl: float, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A peer that announces [start, end) until cancelled; started() hands back (node, announcer)."""
+    async with P2PNode(create_new_key_pair(), bootstrap=[boot]) as node:
+        ann = Announcer(node, lambda: block_record(node, start, end), ttl_s=ttl)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(ann.run)
+            task_status.started((node, ann))
+            await trio.sleep_forever()
+
+
+async def start_span(nursery: trio.Nursery, boot: str, start: int, end: int, ttl: float):
+    scope = trio.CancelScope()
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await serve_span(boot, start, end, ttl, task_status=task_status)
+
+    node, ann = await nursery.start(run)
+    return node, ann, scope
+
+
+def spans(records: list[PeerRecord]) -> dict[str, tuple[int, int]]:
+    return {r.peer_id: (r.start, r.end) for r in records}
+
+
+def test_three_peers_announce_and_a_fourth_fetches_them() -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with P2PNode(create_new_key_pair()) as boot, trio.open_nursery() as nursery:
+                peers = [await start_span(nursery, boot.addrs[0], s, e, ttl=30) for s, e in [(0, 4), (4, 8), (8, 12)]]
+                for _node, ann, _scope in peers:
+                    assert ann.published == 1 and ann.last_stored_at >= 2  # itself + at least the bootstrap
+                async with P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as head:
+                    records = await fetch_records(head, MODEL, 12)
+                    assert spans(records) == {n.peer_id: (s, e) for (n, _a, _c), (s, e)
+                                              in zip(peers, [(0, 4), (4, 8), (8, 12)], strict=True)}
+                    for rec, (node, _a, _c) in zip(records, peers, strict=True):
+                        assert rec.addrs == tuple(node.addrs) and rec.addrs[0].endswith("/p2p/" + node.peer_id)
+                        assert rec.expires - rec.issued == pytest.approx(30)
+                        assert rec.cache_tokens_left == 1000 and rec.version == "dsd/test"
+                    # the range check drops records past num_layers; 0 means unknown (no check)
+                    assert {r.end for r in await fetch_records(head, MODEL, 8)} == {4, 8}
+                    assert len(await fetch_records(head, MODEL, 0)) == 3
+                    assert await fetch_records(head, "another-model", 12) == []
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_dead_peer_record_disappears_within_ttl_and_withdrawal_is_immediate() -> None:
+    ttl = 3.0
+
+    async def main() -> None:
+        with trio.fail_after(40):
+            async with P2PNode(create_new_key_pair()) as boot, trio.open_nursery() as nursery:
+                a, ann_a, scope_a = await start_span(nursery, boot.addrs[0], 0, 4, ttl)
+                b, _ann_b, _scope_b = await start_span(nursery, boot.addrs[0], 4, 8, ttl)
+                c, ann_c, scope_c = await start_span(nursery, boot.addrs[0], 0, 8, ttl)
+                async with P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as head:
+                    assert set(spans(await fetch_records(head, MODEL, 8))) == {a.peer_id, b.peer_id, c.peer_id}
+                    # a dies without a word: its record must be gone within the TTL, b's must stay
+                    ann_a.withdraw_on_stop = False
+                    scope_a.cancel()
+                    died = time.time()
+                    while a.peer_id in spans(await fetch_records(head, MODEL, 8)):
+                        assert time.time() - died < ttl + 1.0, "dead peer's record outlived its TTL"
+                        await trio.sleep(0.25)
+                    gone_after = time.time() - died
+                    # c leaves politely: its withdrawal removes the record at once
+                    await ann_c.stop()
+                    scope_c.cancel()
+                    after = spans(await fetch_records(head, MODEL, 8))
+                    assert c.peer_id not in after
+                    # b kept refreshing (every TTL/3) and is still there well past one TTL
+                    await trio.sleep(max(0.0, ttl + 0.5 - gone_after))
+                    assert spans(await fetch_records(head, MODEL, 8)) == {b.peer_id: (4, 8)}
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_tampered_or_misattributed_records_are_rejected() -> None:
+    kp, other = create_new_key_pair(), create_new_key_pair()
+    from dsd.discovery.identity import peer_id_of
+
+    pid = peer_id_of(kp)
+    now = time.time()
+    rec = PeerRecord(pid, ("/ip4/127.0.0.1/tcp/4001",), MODEL, 0, 4, throughput=10.0, expires=now + 30, issued=now)
+    blob = sign_record(rec, kp)
+    assert verify_record(blob) == rec
+    outer = msgpack.unpackb(blob)
+    # change the span inside the signed body: the signature no longer holds
+    body = msgpack.unpackb(outer["body"])
+    body["end"] = 40
+    forged = msgpack.packb({**outer, "body": msgpack.packb(body)})
+    with pytest.raises(RecordError, match="signature"):
+        verify_record(forged)
+    # a record naming `pid` but signed (validly) by another key
+    resigned = msgpack.packb({"body": outer["body"], "pk": other.public_key.serialize(),
+                              "sig": other.private_key.sign(b"dsd-record/1\x00" + outer["body"])})
+    with pytest.raises(RecordError, match="signed by"):
+        verify_record(resigned)
+    with pytest.raises(RecordError, match="key belongs to"):
+        sign_record(rec, other)
+    with pytest.raises(RecordError):
+        verify_record(b"\x93garbage")
+    # storing nodes refuse them too, and refuse a record filed under another model's key
+    store = RecordStore(key_for_model=record_key)
+    assert not store.put(record_key(MODEL), forged)
+    assert not store.put(record_key(MODEL), resigned)
+    assert not store.put(record_key("other"), blob)
+    assert store.put(record_key(MODEL), blob) and store.get(record_key(MODEL)) == [blob]
+    # an older record never replaces a newer one; an expired one is dropped
+    older = sign_record(dataclasses.replace(rec, issued=now - 5), kp)
+    assert not store.put(record_key(MODEL), older) and store.get(record_key(MODEL)) == [blob]
+    assert store.expire(now + 31) == 1 and store.get(record_key(MODEL), now + 31) == []
+
+
+def test_forged_record_pushed_into_the_dht_is_not_returned() -> None:
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with P2PNode(create_new_key_pair()) as boot, \
+                    P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as liar, \
+                    P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as head:
+                victim = create_new_key_pair()
+                from dsd.discovery.identity import peer_id_of
+
+                now = time.time()
+                # the liar signs a record claiming to be `victim`: every storing node must refuse it
+                rec = PeerRecord(peer_id_of(victim), tuple(liar.addrs), MODEL, 0, 4, expires=now + 30, issued=now)
+                body = msgpack.packb(rec.to_dict())
+                forged = msgpack.packb({"body": body, "pk": liar.key_pair.public_key.serialize(),
+                                        "sig": liar.key_pair.private_key.sign(b"dsd-record/1\x00" + body)})
+                assert await liar.put_records(record_key(MODEL), [forged]) == 0
+                honest = dataclasses.replace(rec, peer_id=liar.peer_id)
+                assert await liar.put_records(record_key(MODEL), [sign_record(honest, liar.key_pair)]) >= 2
+                assert spans(await fetch_records(head, MODEL, 8)) == {liar.peer_id: (0, 4)}
+
+    trio.run(main)
+
+
+def test_ping_rtt_is_positive_and_small() -> None:
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with P2PNode(create_new_key_pair()) as a, P2PNode(create_new_key_pair()) as b:
+                install_ping_handler(b)
+                rtt = await measure_rtt(a, b.peer_id, b.addrs, samples=5)
+                assert 0 < rtt < 0.1
+                # a stream from a to b answers pings with the same nonce and payload
+                stream = await a.open(b.peer_id, b.addrs, "/dsd/ping/1")
+                sent = await stream.send(Ping(42, b"x" * 100))
+                assert await stream.receive() == Pong(42, b"x" * 100)
+                assert stream.bytes_sent == sent and stream.bytes_received == sent
+                await stream.close()
+
+    trio.run(main)
+
+
+def test_framed_stream_round_trip_and_clean_eof() -> None:
+    async def main() -> None:
+        got: list[object] = []
+        finished = trio.Event()
+
+        async def echo_twice_then_close(stream: FramedStream, remote: str) -> None:
+            got.append(remote)
+            for _ in range(2):
+                msg = await stream.receive()
+                await stream.send(msg)
+            finished.set()
+
+        with trio.fail_after(20):
+            async with P2PNode(create_new_key_pair()) as a, P2PNode(create_new_key_pair()) as b:
+                b.set_handler("/dsd/test/1", echo_twice_then_close)
+                s = await a.open(b.peer_id, b.addrs, "/dsd/test/1")
+                big = b"\x01" * 300_000  # spans many reads
+                await s.send(Ping(1, b"")), await s.send(Pong(2, big))
+                assert await s.receive() == Ping(1, b"")
+                assert await s.receive() == Pong(2, big)
+                with pytest.raises(EOFError):
+                    await s.receive()
+                await finished.wait()
+                assert got == [a.peer_id]
+
+    trio.run(main)
+
+
+def test_allow_peers_resets_a_strangers_stream() -> None:
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with P2PNode(create_new_key_pair()) as friend, P2PNode(create_new_key_pair()) as stranger:
+                async with P2PNode(create_new_key_pair(), allow_peers={friend.peer_id}) as guarded:
+                    install_ping_handler(guarded)
+                    assert await measure_rtt(friend, guarded.peer_id, guarded.addrs) > 0
+                    with pytest.raises(LinkError):
+                        await measure_rtt(stranger, guarded.peer_id, guarded.addrs, timeout=3.0)
+
+    trio.run(main)
