@@ -58,13 +58,41 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
 
 
+def _top_p_remove(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask of tokens outside the nucleus: keep rank r iff the mass ranked above it is < top_p.
+
+    Same rule as HF's TopPLogitsWarper (which drops the ascending tail of mass
+    <= 1 - top_p), computed from a growing top-k instead of a full sort of the
+    vocabulary; tokens tied with the last kept one are all kept.
+    """
+    vocab = scores.shape[-1]
+    probs = torch.softmax(scores, dim=-1)
+    flat = probs.reshape(-1, vocab)
+    thresholds = torch.empty(flat.shape[0], 1, dtype=flat.dtype)
+    for r in range(flat.shape[0]):
+        k = min(vocab, 128)
+        while True:
+            if k < vocab:
+                vals = torch.topk(flat[r], k).values
+            else:
+                vals = torch.sort(flat[r], descending=True).values
+            mass_above = vals.double().cumsum(0) - vals.double()
+            kept = int((mass_above < top_p).sum())
+            if kept < k or k == vocab:
+                break
+            k = vocab if 4 * k > 2048 else 4 * k
+        thresholds[r, 0] = vals[max(kept, 1) - 1]
+    return probs < thresholds.reshape(*scores.shape[:-1], 1)
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits [..., V] into float32 probabilities [..., V] under `params`.
 
     Greedy gives a one-hot at `torch.argmax` (first maximal index, as HF greedy
     search). Otherwise: divide by temperature, mask below the k-th largest
     logit (ties with it kept), then drop the smallest-probability tail whose
-    cumulative mass is <= 1 - top_p (always keeping the most likely token).
+    cumulative mass is <= 1 - top_p (always keeping the most likely token; a
+    tie at the nucleus boundary keeps every tied token).
     """
     _check_logits(logits)
     scores = logits.float()
@@ -77,12 +105,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1.0 - params.top_p)
-        remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
+        scores = scores.masked_fill(_top_p_remove(scores, params.top_p), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
