@@ -64,8 +64,7 @@ class AdaptiveVerifier:
                 f"target_logits has {target_logits.shape[0]} rows, need at least gamma = {gamma}"
             )
         rows = target_logits[:gamma]
-        probs = softmax(rows) if self.params.greedy else warp(rows, self.params)
-        return probs.double()
+        return softmax(rows) if self.params.greedy else warp(rows, self.params)
 
     def taus(
         self,
@@ -91,14 +90,14 @@ class AdaptiveVerifier:
                 raise ValueError(
                     f"draft_probs must have shape [gamma, V] = {(gamma, vocab)}, got {tuple(draft_probs.shape)}"
                 )
-            q = draft_probs.double()
-            q = q / q.sum(dim=1, keepdim=True).clamp_min(1e-300)
+            q = draft_probs.float()
+            q = q / q.sum(dim=1, keepdim=True).clamp_min(1e-30)
         entropy = -torch.special.xlogy(p, p).sum(dim=1)
         px = p.gather(1, idx[:, None]).squeeze(1)
         contrast = torch.clamp(-torch.log(px) - entropy, min=0.0)  # +inf where p(x) = 0
         token_agreement = torch.exp(-contrast)
         dist_agreement = torch.minimum(p, q).sum(dim=1).clamp(0.0, 1.0)
-        tau = self.tau_max * self.match_rate * dist_agreement * token_agreement
+        tau = self.tau_max * self.match_rate * dist_agreement.double() * token_agreement.double()
         return tau.clamp(0.0, self.tau_max)
 
     def observe(
