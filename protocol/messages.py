@@ -547,7 +547,7 @@ class TopKResult(Message):
         probs = np.asarray(probs)
         if ids.ndim != 2 or probs.shape != ids.shape:
             raise ProtocolError(f"ids {ids.shape} and probs {probs.shape} must both be [positions, k]", "ids")
-        if prob_codec not in PROB_CODECS:
+        if not isinstance(prob_codec, str) or prob_codec not in PROB_CODECS:
             raise ProtocolError(f"must be one of {tuple(PROB_CODECS)}, got {prob_codec!r}", "prob_codec")
         order = np.argsort(ids, axis=1, kind="stable")
         sorted_ids = np.take_along_axis(ids, order, axis=1)

@@ -105,7 +105,7 @@ class WireTensor:
             raise ProtocolError(f"codec {self.codec!r} needs a float dtype, got {self.dtype!r}", f"{field}.dtype")
         if self.codec == "int8":
             check_int(self.block, f"{field}.block", 1, limits.max_tensor_elements)
-            if self.scale_dtype not in SCALE_DTYPES:
+            if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
                 raise ProtocolError(f"must be 'fp16' or 'fp32', got {self.scale_dtype!r}", f"{field}.scale_dtype")
         else:
             if self.block is not None:
@@ -258,7 +258,7 @@ def encode_tensor(
     else:
         src = _float_source(a, codec)
         check_int(block, "block", 1, DEFAULT_LIMITS.max_tensor_elements)
-        if scale_dtype not in SCALE_DTYPES:
+        if not isinstance(scale_dtype, str) or scale_dtype not in SCALE_DTYPES:
             raise ProtocolError(f"must be 'fp16' or 'fp32', got {scale_dtype!r}", "scale_dtype")
         flat = src.reshape(-1).astype(np.float64)
         if not np.all(np.isfinite(flat)):
