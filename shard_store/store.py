@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 
 class Store:
     """A model store on disk. Every file read is size-checked against the manifest; with
-    verify=True every file is also re-hashed when the store is opened."""
+    verify=True every file is also re-hashed when the store is opened.
+
+    Weights are memory-mapped (safetensors), so loading is near-instant, pages are read on first
+    use, and several peers on one machine serving the same store share the page cache.
+    """
 
     def __init__(self, path: str | Path, verify: bool = False) -> None:
         self.path = Path(path)
