@@ -34,7 +34,7 @@ from .limits import (
     parse_version,
 )
 from .tensors import WireTensor, decode_tensor, encode_tensor
-from .topk import ID_CODECS, decode_ids, encode_ids, sort_by_prob
+from .topk import ID_CODECS, decode_ids, encode_ids, is_dense, sort_by_prob
 
 # Codes used in `Error` replies; peers may send others (newer versions), so they are not enforced.
 ERROR_CODES = (
@@ -522,7 +522,11 @@ class TopKResult(Message):
             raise ProtocolError(
                 f"{shape[0]} positions (allowed 1..{limits.max_tokens_per_window})", f"{prefix}.probs", LIMIT
             )
-        decode_ids(self.ids, shape[0], self.k, self.id_codec, f"{prefix}.ids")
+        if self.id_codec == "dense":  # nothing to unpack; don't materialise n x k ids just to check
+            if self.ids:
+                raise ProtocolError(f"dense ids carry no bytes, got {len(self.ids)}", f"{prefix}.ids")
+        else:
+            decode_ids(self.ids, shape[0], self.k, self.id_codec, f"{prefix}.ids")
 
     @property
     def positions(self) -> int:
@@ -538,11 +542,15 @@ class TopKResult(Message):
         ids: np.ndarray,
         probs: np.ndarray,
         *,
-        id_codec: str = "varint",
+        id_codec: str = "auto",
         prob_codec: str = "fp16",
         zstd: bool = False,
     ) -> Self:
-        """Pack top-K `ids` [n, k] and `probs` [n, k] (any order per row); prob_codec 'fp16', 'bf16' or 'fp32'."""
+        """Pack top-K `ids` [n, k] and `probs` [n, k] (any order per row).
+
+        id_codec 'varint', 'uint32', 'dense' or 'auto' (dense when the ids are all of 0..k-1, else
+        varint); prob_codec 'fp16', 'bf16' or 'fp32'; `zstd` compresses the probabilities.
+        """
         ids = np.asarray(ids)
         probs = np.asarray(probs)
         if ids.ndim != 2 or probs.shape != ids.shape:
@@ -552,6 +560,8 @@ class TopKResult(Message):
         order = np.argsort(ids, axis=1, kind="stable")
         sorted_ids = np.take_along_axis(ids, order, axis=1)
         sorted_p = np.take_along_axis(probs, order, axis=1).astype(np.float32)
+        if id_codec == "auto":
+            id_codec = "dense" if is_dense(sorted_ids) else "varint"
         wire_p = encode_tensor(sorted_p, PROB_CODECS[prob_codec], zstd)
         return cls(session, epoch, start, int(ids.shape[1]), encode_ids(sorted_ids, id_codec), wire_p, id_codec)
 

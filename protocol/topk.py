@@ -1,8 +1,9 @@
 """Top-K distributions (SpecFed): pick the K most likely tokens, pack their ids, rebuild and average.
 
-On the wire the ids of each position are sorted ascending and sent either as uint32
-or as varint gaps (first id, then id[i] - id[i-1] - 1), which costs about
-log128(V/K) bytes per id; the probabilities travel as a WireTensor aligned with them.
+On the wire the ids of each position are sorted ascending and sent either as uint32,
+as varint gaps (first id, then id[i] - id[i-1] - 1), which costs about log128(V/K)
+bytes per id, or not at all (`dense`: the ids are exactly 0..K-1, the K = V case);
+the probabilities travel as a WireTensor aligned with them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from .errors import LIMIT, ProtocolError
 from .limits import MAX_POSITION
 
-ID_CODECS = ("varint", "uint32")
+ID_CODECS = ("varint", "uint32", "dense")
 RECONSTRUCT_METHODS = ("renormalize", "residual")
 # Rounding (fp16 probabilities) may push a top-K mass a little above 1; beyond this it is renormalised.
 MASS_TOLERANCE = 1e-9
@@ -46,8 +47,14 @@ def sort_by_prob(ids: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(probs, order, axis=1)
 
 
+def is_dense(ids: np.ndarray) -> bool:
+    """True when every row of `ids` [n, k] is exactly 0..k-1 (the K = V case)."""
+    a = np.asarray(ids)
+    return a.ndim == 2 and bool(np.all(a == np.arange(a.shape[1])))
+
+
 def encode_ids(ids: np.ndarray, codec: str = "varint") -> bytes:
-    """Pack ids [n, k] that ascend strictly within each row, as `varint` gaps or `uint32`."""
+    """Pack ids [n, k] that ascend strictly within each row, as `varint` gaps, `uint32` or `dense` (0..k-1)."""
     a = np.asarray(ids)
     if a.ndim != 2 or a.dtype.kind not in "iu":
         raise ProtocolError(f"must be an int array [positions, k], got {a.dtype} of shape {a.shape}", "ids")
@@ -58,6 +65,10 @@ def encode_ids(ids: np.ndarray, codec: str = "varint") -> bytes:
         raise ProtocolError("ids must ascend strictly within each position", "ids")
     if codec == "uint32":
         return a.astype("<u4").tobytes()
+    if codec == "dense":
+        if not is_dense(a):
+            raise ProtocolError("the dense id codec needs every position's ids to be exactly 0..k-1", "ids")
+        return b""
     if codec != "varint":
         raise ProtocolError(f"unknown id codec {codec!r} (known: {', '.join(ID_CODECS)})", "id_codec")
     gaps = a.copy()
@@ -81,6 +92,10 @@ def encode_ids(ids: np.ndarray, codec: str = "varint") -> bytes:
 def decode_ids(data: bytes, n: int, k: int, codec: str, field: str = "ids") -> np.ndarray:
     """Unpack `n` x `k` ids written by `encode_ids`; anything malformed is a ProtocolError naming `field`."""
     count = n * k
+    if codec == "dense":
+        if data:
+            raise ProtocolError(f"dense ids carry no bytes, got {len(data)}", field)
+        return np.tile(np.arange(k, dtype=np.int64), (n, 1))
     if codec == "uint32":
         if len(data) != 4 * count:
             raise ProtocolError(f"{len(data)} bytes, expected {4 * count} for {n}x{k} uint32 ids", field)

@@ -40,6 +40,7 @@ from dsd.protocol import (
     decode_tensor,
     encode,
     encode_tensor,
+    topk_from_probs,
 )
 
 
@@ -68,6 +69,7 @@ def _samples() -> list[Message]:
         DraftWindow("sess", 0, 3, 3, (151_000, 2, 77), 320, 0.8, 0.95),
         TopKResult.build("sess", 0, 3, ids, np.take_along_axis(probs, ids, axis=1)),
         TopKResult.build("sess", 0, 3, ids, np.take_along_axis(probs, ids, axis=1), id_codec="uint32", prob_codec="fp32", zstd=True),
+        TopKResult.build("sess", 0, 3, *topk_from_probs(probs[:, :40], 40)),
     ]
 
 

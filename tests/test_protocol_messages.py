@@ -78,7 +78,7 @@ def topk_results(draw: st.DrawFn) -> TopKResult:
     vocab = draw(st.integers(1, 300))
     k = draw(st.integers(1, vocab))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    ids = np.stack([rng.permutation(vocab)[:k] for _ in range(n)])
+    ids = np.stack([rng.permutation(vocab)[:k] for _ in range(n)])  # k == vocab exercises the dense codec
     probs = rng.dirichlet(np.ones(vocab), size=n)[:, :k]
     return TopKResult.build(
         draw(names),
@@ -86,7 +86,7 @@ def topk_results(draw: st.DrawFn) -> TopKResult:
         draw(positions),
         ids,
         probs,
-        id_codec=draw(st.sampled_from(["varint", "uint32"])),
+        id_codec=draw(st.sampled_from(["varint", "uint32", "auto"])),
         prob_codec=draw(st.sampled_from(["fp16", "fp32", "bf16"])),
         zstd=draw(st.booleans()),
     )

@@ -150,17 +150,38 @@ def test_residual_scales_down_a_rounded_mass_above_one() -> None:
 
 
 @SETTINGS
-@given(data=st.data(), codec=st.sampled_from(["varint", "uint32"]))
+@given(data=st.data(), codec=st.sampled_from(["varint", "uint32", "dense"]))
 def test_id_codecs_round_trip(data: st.DataObject, codec: str) -> None:
     vocab = data.draw(st.sampled_from([5, 300, 151_936, 2**31]))
     n = data.draw(st.integers(1, 4))
     k = data.draw(st.integers(1, min(vocab, 60)))
-    rows = [sorted(data.draw(st.sets(st.integers(0, vocab - 1), min_size=k, max_size=k))) for _ in range(n)]
+    if codec == "dense":
+        rows = [list(range(k))] * n
+    else:
+        rows = [sorted(data.draw(st.sets(st.integers(0, vocab - 1), min_size=k, max_size=k))) for _ in range(n)]
     ids = np.array(rows, dtype=np.int64)
     blob = encode_ids(ids, codec)
     np.testing.assert_array_equal(decode_ids(blob, n, k, codec), ids)
-    if codec == "uint32":
-        assert len(blob) == 4 * n * k
+    assert len(blob) == {"uint32": 4 * n * k, "dense": 0}.get(codec, len(blob))
+
+
+def test_dense_ids_cost_nothing_and_must_be_a_full_range() -> None:
+    assert encode_ids(np.tile(np.arange(5), (3, 1)), "dense") == b""
+    np.testing.assert_array_equal(decode_ids(b"", 3, 5, "dense"), np.tile(np.arange(5), (3, 1)))
+    with pytest.raises(ProtocolError, match="dense"):
+        encode_ids(np.array([[0, 2]]), "dense")
+    with pytest.raises(ProtocolError, match="no bytes"):
+        decode_ids(b"\x00", 1, 1, "dense")
+    p = np.full((2, 6), 1 / 6)
+    msg = TopKResult.build("s", 0, 0, *topk_from_probs(p, 6))
+    assert msg.id_codec == "dense" and msg.ids == b""
+    skewed = np.array([[0.05, 0.25, 0.2, 0.2, 0.15, 0.15]])
+    assert TopKResult.build("s", 0, 0, *topk_from_probs(skewed, 5)).id_codec == "varint"  # ids 1..5
+    assert TopKResult.build("s", 0, 0, *topk_from_probs(p, 5)).id_codec == "dense"  # ties by id: 0..4
+    (got,) = FrameDecoder().feed(encode(msg))
+    assert sorted(got.arrays()[0][0].tolist()) == list(range(6))
+    with pytest.raises(ProtocolError, match="TopKResult.ids"):
+        TopKResult("s", 0, 0, 6, b"\x01", msg.probs, "dense")
 
 
 def test_varint_size_follows_gaps() -> None:
