@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -140,19 +141,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 )
                 bars.finish()
     except StoreError as exc:
-        console.print(f"[red]models prepare failed:[/red] {exc}")
+        console.print(f"[red]models prepare failed:[/red] {escape(str(exc))}")
         return 1
     for step in steps:
         if step.did_work:
             timings = ", ".join(f"{k} {v:.1f}s" for k, v in step.seconds.items())
             removed = "; assembled GGUF removed (hash kept in marker)" if step.gguf_removed else ""
-            console.print(f"{step.model.role}: {step.model.model_id} prepared ({timings}){removed}")
+            console.print(f"{step.model.role}: {step.model.model_id} prepared ({timings}){removed}", markup=False)
     if not any(step.did_work for step in steps):
-        console.print(f"default model pair already prepared in {cache}: nothing to do")
+        console.print(f"default model pair already prepared in {cache}: nothing to do", markup=False)
     else:
         console.print(f"done in {time.perf_counter() - started:.1f}s")
     summaries = [(role, Store(path).summary()) for role, path in default_store_paths(cache, args.dtype).items()]
     console.print(_summary_table(summaries))
     for role, s in summaries:
-        console.print(f"{role} store: {s['path']}", soft_wrap=True)
+        console.print(f"{role} store: {s['path']}", soft_wrap=True, markup=False)
     return 0

@@ -177,6 +177,70 @@ def test_prepare_skips_a_complete_store_without_touching_packages(
         prepare_model(ghost, cache)
 
 
+def _ghost(role: str) -> DefaultModel:
+    """A default-model entry whose chunk packages do not exist."""
+    return DefaultModel(
+        role=role,
+        model_id=f"Ghost-{role}",
+        package_prefix=f"dsd-no-such-{role}-part",
+        version="1.0",
+        num_parts=2,
+        gguf_name=f"ghost-{role}.gguf",
+        sha256="0" * 64,
+        size=1,
+    )
+
+
+def _run_cli(argv: list[str]) -> int:
+    from dsd.node import cmd_models
+
+    parser = argparse.ArgumentParser(prog="dsd-node")
+    cmd_models.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_prepare_names_missing_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dsd.node import cmd_models
+    from dsd.shard_store import default_models
+
+    pair = (_ghost("target"), _ghost("draft"))
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
+    monkeypatch.setattr(cmd_models, "DEFAULT_PAIR", pair)
+    assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # undo rich's line wrapping
+    assert "models prepare failed" in out
+    assert "dsd-no-such-target-part1==1.0" in out
+    assert "pip install -e '.[models]'" in out
+
+
+def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tiny_qwen2_store: Path,
+    tiny_qwen2_draft_store: Path,
+) -> None:
+    from dsd.node import cmd_models
+    from dsd.shard_store import default_models
+
+    pair = (_ghost("target"), _ghost("draft"))
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
+    monkeypatch.setattr(cmd_models, "DEFAULT_PAIR", pair)
+    shutil.copytree(tiny_qwen2_store, store_path(pair[0], tmp_path))
+    shutil.copytree(tiny_qwen2_draft_store, store_path(pair[1], tmp_path))
+    assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out
+    assert f"target store: {store_path(pair[0], tmp_path)}" in out
+    assert f"draft store: {store_path(pair[1], tmp_path)}" in out
+    rows = [line for line in out.splitlines() if "tiny-qwen2" in line]
+    assert len(rows) == 2 and all("float32" in r and " 64 " in r for r in rows)
+    assert any(" 5 " in r for r in rows) and any(" 2 " in r for r in rows)  # layers of target, draft
+
+
 def test_cache_and_store_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSD_CACHE", str(tmp_path / "env"))
     assert default_cache() == tmp_path / "env"
