@@ -30,7 +30,7 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode_body(body: bytes | bytearray, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Decode one frame body (without its header) into a validated message."""
     max_array = max(limits.max_route, limits.max_tokens_per_window, limits.max_rank, limits.max_list)
     try:
@@ -85,7 +85,7 @@ class FrameDecoder:
                 end = HEADER.size + size
                 if len(self._buf) < end:
                     break
-                body = bytes(self._buf[HEADER.size : end])
+                body = self._buf[HEADER.size : end]
                 del self._buf[:end]
                 out.append(decode_body(body, self.limits))
         except ProtocolError as exc:

@@ -233,7 +233,10 @@ def encode_tensor(
     """Encode an array (numpy, or anything `np.asarray` takes) with `codec`, optionally zstd level `level`."""
     if codec not in CODECS:
         raise ProtocolError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})", "codec")
-    a = np.asarray(array)
+    try:
+        a = np.asarray(array)
+    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a bfloat16 torch tensor
+        raise ProtocolError(f"cannot view {type(array).__name__} as a numpy array ({exc})", "dtype") from None
     if a.dtype.name not in DTYPES:
         raise ProtocolError(f"unsupported dtype {a.dtype} (supported: {', '.join(DTYPES)})", "dtype", BAD_TENSOR)
     wblock: int | None = None

@@ -142,6 +142,14 @@ def test_lossy_codecs_need_floats_and_unknown_codec_is_named() -> None:
     assert ei.value.field == "dtype"
 
 
+def test_torch_tensors_are_taken_as_data() -> None:
+    x = torch.randn(3, 8)
+    np.testing.assert_array_equal(decode_tensor(encode_tensor(x, "raw")), x.numpy())
+    with pytest.raises(ProtocolError) as ei:
+        encode_tensor(x.to(torch.bfloat16), "bf16")
+    assert ei.value.field == "dtype"
+
+
 def test_byte_count_must_match_shape() -> None:
     with pytest.raises(ProtocolError) as ei:
         WireTensor("float32", (2, 3), "raw", False, b"\0" * 23)
