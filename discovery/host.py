@@ -21,6 +21,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pa
 from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IOException
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -99,6 +100,14 @@ def _split_addr(addr: str) -> tuple[multiaddr.Multiaddr, str | None]:
     return ma, None
 
 
+# py-libp2p's auto-connector dials every known peer whenever a node holds fewer than
+# 50 connections (go-libp2p's defaults for the public IPFS DHT); a dsd swarm connects on
+# demand, so keep no minimum and let it idle.
+QUIET_CONNECTIONS = ConnectionConfig(
+    min_connections=0, low_watermark=0, high_watermark=300, max_connections=300, auto_connect_interval=3600.0
+)
+
+
 class P2PNode:
     """A libp2p host plus Kademlia DHT (server mode) plus the dsd record store; an async context manager."""
 
@@ -140,6 +149,7 @@ class P2PNode:
             sec_opt={NOISE_PROTOCOL_ID: noise},
             muxer_preference="YAMUX",
             listen_addrs=self.listen_addrs,
+            connection_config=QUIET_CONNECTIONS,
         )
         self.dht = KadDHT(self.host, DHTMode.SERVER)
         stack = AsyncExitStack()

@@ -32,7 +32,8 @@ from dsd.protocol import (
     decode_tensor,
 )
 
-from .server import INFER_PROTOCOL, WireFormat
+from .server import INFER_PROTOCOL
+from .settings import WireFormat
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-import trio
-
-from .server import ServerLimits, WireFormat
+from .settings import ServerLimits, WireFormat
 from .shaper import LinkProfile
 
 log = logging.getLogger(__name__)
@@ -77,6 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    import trio
+
     from .daemon import DaemonConfig, run_daemon
 
     cfg = DaemonConfig(
@@ -111,6 +111,8 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
+    import trio
+
     from .headnode import head_node
     from .routing import survey
 

@@ -8,12 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-import trio
-
 from .cmd_daemon import add_wan_options, link_profile
-from .head import MODES, GenerationConfig
-from .sampling import SamplingParams
+from .settings import MODES
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def load_head_setup(target_store: Path, draft: str, params: SamplingParams, seed: int):
+def load_head_setup(target_store: Path, draft: str, params, seed: int):
     """Load the target's ends, its tokenizer and the drafter; refuse a draft with another vocabulary."""
+    import torch
+
     from dsd.shard_store import Store
 
     from .drafters import ModelDrafter, NgramDrafter
@@ -88,12 +86,17 @@ def eos_ids(tokenizer, store_config: dict) -> frozenset[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    import trio
+
     from dsd.discovery.planner import NoRouteError
     from dsd.shard_store import Store, StoreError
 
     from .client import RouteError
     from .generate import generate_once
+    from .head import GenerationConfig
     from .headnode import head_node
+    from .sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,8 @@ from dsd.discovery.ping import install_ping_handler
 from dsd.protocol import Ack, Error, OpenSession, ProtocolError
 
 from .client import ReturnLegs
-from .server import INFER_PROTOCOL, BlockServer, ServerLimits, WireFormat
+from .server import INFER_PROTOCOL, BlockServer
+from .settings import ServerLimits, WireFormat
 from .shaper import LinkProfile, LinkShaper
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def _write_ready(path: Path, payload: dict) -> None:
 async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = trio.TASK_STATUS_IGNORED) -> None:
     """Run until SIGINT/SIGTERM or cancellation."""
     from dsd.discovery.planner import choose_blocks
-    from dsd.discovery.records import Announcer, PeerRecord, fetch_records  # noqa: F401
+    from dsd.discovery.records import Announcer, fetch_records
     from dsd.shard_store import Store
 
     if cfg.threads:
@@ -125,6 +126,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
         ) as node:
             install_ping_handler(node)
             server = None
+            announcer = None
             info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid()}
             if store is not None:
                 manifest = store.manifest
@@ -155,5 +157,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
                 async for signum in signals:
                     log.warning("received %s: shutting down", signal.Signals(signum).name)
                     break
-            nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_DEADLINE_S
+            with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
+                if announcer is not None:
+                    await announcer.stop()
             nursery.cancel_scope.cancel()

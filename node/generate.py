@@ -14,7 +14,7 @@ from .backends import RouteBackend
 from .client import ReturnLegs, RouteSession
 from .head import Drafter, GenerationConfig, HeadEngine
 from .routing import survey
-from .server import WireFormat
+from .settings import WireFormat
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class HeadSetup:
 
 def plan_hops(plan) -> list[Hop]:
     """The planner's hops as protocol hops (peer, addresses, the span each serves for us)."""
-    return [Hop(h.peer_id, tuple(h.addrs), h.start, h.end) for h in plan.hops]
+    return list(plan.protocol_hops())
 
 
 async def generate_once(

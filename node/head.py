@@ -23,12 +23,12 @@ import trio
 
 from .adaptive import AdaptiveVerifier
 from .sampling import SamplingParams
+from .settings import MODES
 from .verify import Decoder, find_stop, verify_window
 from .window import WindowController
 
 log = logging.getLogger(__name__)
 
-MODES = ("ar", "sd", "dsd", "dsd-adaptive")
 
 
 class TargetBackend(Protocol):
@@ -150,8 +150,11 @@ class HeadEngine:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max)
-        self.adaptive = AdaptiveVerifier(tau_max=cfg.tau_max) if cfg.mode == "dsd-adaptive" else None
+        # In dsd the drafting hides behind the trip; in sd it adds to it.
+        self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=cfg.mode != "sd")
+        self.adaptive = (
+            AdaptiveVerifier(tau_max=cfg.tau_max, params=cfg.params) if cfg.mode == "dsd-adaptive" else None
+        )
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.times = TimeBreakdown()
         self._draft_token_s = 0.0

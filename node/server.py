@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import trio
 
-from dsd.discovery.framing import FramedStream
+from dsd.discovery.framing import FramedStream, LinkError
 from dsd.discovery.host import P2PNode
 from dsd.protocol import (
     Ack,
@@ -32,37 +32,14 @@ from dsd.protocol import (
     Result,
     Truncate,
     decode_tensor,
-    encode_tensor,
 )
 from dsd.shard_store import SpanModule, Store
+
+from .settings import ServerLimits, WireFormat
 
 log = logging.getLogger(__name__)
 
 INFER_PROTOCOL = "/dsd/infer/1"
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one block peer grants to the swarm; every limit is enforced per request."""
-
-    max_sessions: int = 32
-    kv_budget_tokens: int = 32768
-    max_len: int = 4096
-    max_window: int = 256
-    idle_timeout_s: float = 120.0
-    open_timeout_s: float = 30.0
-    send_timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class WireFormat:
-    """How hidden states are encoded on the wire; raw fp32 is exact (DSD's lossless default)."""
-
-    codec: str = "raw"
-    zstd: bool = False
-
-    def encode(self, array: np.ndarray) -> Any:
-        return encode_tensor(array, codec=self.codec, zstd=self.zstd)
 
 
 class SessionError(Exception):
@@ -80,6 +57,7 @@ class Session:
 
     id: str
     max_len: int
+    span: SpanModule
     cache: Any
     downstream: FramedStream
     last_hop: bool
@@ -109,7 +87,8 @@ class BlockServer:
         self.wire = wire or WireFormat()
         self.span: SpanModule = store.load_span(start, end)
         self.hidden_size = int(store.manifest.hidden_size)
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[tuple[str, int], Session] = {}
+        self._subspans: dict[tuple[int, int], SpanModule] = {(start, end): self.span}
         self.reserved_tokens = 0
         self._compute = trio.CapacityLimiter(1)
         self.windows_served = 0
@@ -122,23 +101,23 @@ class BlockServer:
 
     def kv_lengths(self) -> dict[str, int]:
         """KV length of every open session (for stats and tests)."""
-        return {sid: s.cache.length for sid, s in self.sessions.items()}
+        return {f"{sid}@{start}": s.cache.length for (sid, start), s in self.sessions.items()}
 
     # --- compute ----------------------------------------------------------
 
-    def _run_span(self, hidden: np.ndarray, start_pos: int, cache: Any) -> np.ndarray:
+    def _run_span(self, span: SpanModule, hidden: np.ndarray, start_pos: int, cache: Any) -> np.ndarray:
         with torch.inference_mode():
-            out = self.span(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache)
+            out = span(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache)
         return out[0].to(torch.float32).numpy()
 
     async def measure_throughput(self, tokens: int = 1, repeats: int = 3) -> float:
         """Decode-step tokens per second of this span, measured on a scratch cache."""
         cache = self.span.new_cache()
         hidden = np.random.default_rng(0).standard_normal((tokens, self.hidden_size)).astype(np.float32)
-        await trio.to_thread.run_sync(self._run_span, hidden, 0, cache, limiter=self._compute)
+        await trio.to_thread.run_sync(self._run_span, self.span, hidden, 0, cache, limiter=self._compute)
         t0 = time.perf_counter()
         for i in range(repeats):
-            await trio.to_thread.run_sync(self._run_span, hidden, (i + 1) * tokens, cache, limiter=self._compute)
+            await trio.to_thread.run_sync(self._run_span, self.span, hidden, (i + 1) * tokens, cache, limiter=self._compute)
         return repeats * tokens / max(time.perf_counter() - t0, 1e-9)
 
     # --- protocol ---------------------------------------------------------
@@ -157,17 +136,19 @@ class BlockServer:
             async with trio.open_nursery() as nursery:
                 if not session.last_hop:
                     nursery.start_soon(self._relay_back, session, upstream)
-                await upstream.send(Ack(session.id, 0))
-                await self._session_loop(session, upstream)
-                nursery.cancel_scope.cancel()
-        except SessionError as exc:
-            log.info("session %s ended with error: %s", session.id, exc.message)
-            await _send_quietly(upstream, Error(exc.code, exc.message, session.id))
-        except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            log.info("session %s upstream gone: %r", session.id, exc)
-        except Exception as exc:
-            log.exception("session %s failed", session.id)
-            await _send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id))
+                try:
+                    await upstream.send(Ack(session.id, 0))
+                    await self._session_loop(session, upstream)
+                except SessionError as exc:
+                    log.info("session %s ended with error: %s", session.id, exc.message)
+                    await _send_quietly(upstream, Error(exc.code, exc.message, session.id))
+                except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    log.info("session %s upstream gone: %r", session.id, exc)
+                except Exception as exc:
+                    log.exception("session %s failed", session.id)
+                    await _send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id))
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             self._release(session)
             await _close_quietly(session.downstream)
@@ -176,12 +157,13 @@ class BlockServer:
     async def _open(self, msg: OpenSession) -> Session:
         if msg.model != self.model_id:
             raise SessionError("bad_request", f"this peer serves model {self.model_id!r}, not {msg.model!r}")
-        if (msg.start, msg.end) != (self.start, self.end):
+        if not self.start <= msg.start < msg.end <= self.end:
             raise SessionError(
                 "bad_request", f"this peer serves blocks {self.start}:{self.end}, not {msg.start}:{msg.end}"
             )
-        if msg.session in self.sessions:
-            raise SessionError("bad_request", f"session {msg.session} is already open")
+        key = (msg.session, msg.start)
+        if key in self.sessions:
+            raise SessionError("bad_request", f"session {msg.session} is already open here for block {msg.start}")
         if not msg.route:
             raise SessionError("bad_request", "route is empty: it must end with the head")
         if msg.max_len > self.limits.max_len:
@@ -215,12 +197,19 @@ class BlockServer:
         except Exception as exc:  # timeout, refused connection, reset, bad frame
             self.reserved_tokens -= msg.max_len
             raise SessionError("unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}") from exc
-        session = Session(msg.session, msg.max_len, self.span.new_cache(), downstream, last_hop)
-        self.sessions[session.id] = session
+        span = self._span_for(msg.start, msg.end)
+        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop)
+        self.sessions[key] = session
         return session
 
+    def _span_for(self, start: int, end: int) -> SpanModule:
+        """The served span or a weight-sharing sub-span of it (a route may use part of our layers)."""
+        if (start, end) not in self._subspans:
+            self._subspans[(start, end)] = self.span.sub(start, end)
+        return self._subspans[(start, end)]
+
     def _release(self, session: Session) -> None:
-        if self.sessions.pop(session.id, None) is not None:
+        if self.sessions.pop((session.id, session.span.start), None) is not None:
             self.reserved_tokens -= session.max_len
             log.info("session %s closed after %d windows", session.id, session.windows)
 
@@ -231,7 +220,7 @@ class BlockServer:
                 msg = await session.downstream.receive()
                 if isinstance(msg, Error):
                     await upstream.send(msg)
-        except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError):
             return
 
     async def _session_loop(self, session: Session, upstream: FramedStream) -> None:
@@ -298,7 +287,8 @@ class BlockServer:
         if msg.start + tokens > session.max_len:
             raise SessionError("limit", f"position {msg.start + tokens} is past the session's max_len {session.max_len}")
         out = await trio.to_thread.run_sync(
-            self._run_span, np.ascontiguousarray(hidden, dtype=np.float32), msg.start, session.cache, limiter=self._compute
+            self._run_span, session.span, np.ascontiguousarray(hidden, dtype=np.float32), msg.start, session.cache,
+            limiter=self._compute,
         )
         session.windows += 1
         self.windows_served += 1

@@ -79,7 +79,7 @@ def even_spans(num_layers: int, parts: int) -> list[tuple[int, int]]:
 
 def daemon_command(*args: str) -> list[str]:
     """The command line of a `dsd-node` subprocess using this interpreter."""
-    return [sys.executable, "-m", "dsd.node.cli", *args]
+    return [sys.executable, "-m", "dsd.node.cli", "-v", *args]
 
 
 def spawn(name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None) -> PeerProcess:

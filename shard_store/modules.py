@@ -94,6 +94,15 @@ class SpanModule(nn.Module):
         """Weight dtype of the span (inputs are cast to it)."""
         return next(self.parameters()).dtype
 
+    def sub(self, start: int, end: int) -> SpanModule:
+        """Layers [start, end) of this span as a span of their own, sharing the weights (no copy)."""
+        if (start, end) == (self.start, self.end):
+            return self
+        if not self.start <= start < end <= self.end:
+            raise StoreError(f"[{start}, {end}) is not inside this span [{self.start}, {self.end})")
+        layers = list(self.layers)[start - self.start : end - self.start]
+        return SpanModule(self.adapter, self.config, start, end, layers)
+
     def new_cache(self, max_length: int | None = None) -> SpanCache:
         """An empty KV cache for this span (optionally refusing to grow past max_length positions)."""
         return SpanCache(self.start, self.end, max_length=max_length)

@@ -1,0 +1,213 @@
+"""A real 3-peer testnet (separate daemon processes on loopback, tiny random Qwen2):
+route inspection, exact logits through the ring, greedy generation in every mode equal to
+HF generate, KV rollback on the peers, and a killed peer leaving the DHT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from conftest import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from dsd.node.backends import RouteBackend
+from dsd.node.client import RouteSession
+from dsd.node.drafters import ModelDrafter, NgramDrafter
+from dsd.node.generate import HeadSetup, generate_once, plan_hops
+from dsd.node.head import GenerationConfig, HeadEngine
+from dsd.node.headnode import head_node
+from dsd.node.routing import survey
+from dsd.node.sampling import SamplingParams
+from dsd.shard_store import Store
+
+pytestmark = pytest.mark.network
+
+MODEL = "tiny-qwen2"
+RECORD_TTL_S = 6.0
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    state = tmp_path_factory.mktemp("testnet")
+    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "3", "--state", str(state),
+             "--record-ttl", str(RECORD_TTL_S), "--json")
+    assert up.returncode == 0, up.stderr[-3000:]
+    info = json.loads(up.stdout)
+    yield info
+    down = cli("testnet", "down", "--state", str(state), timeout=60)
+    assert down.returncode == 0, down.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2_root: Path):
+    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_testnet_state_and_status(testnet: dict) -> None:
+    peers = [p for p in testnet["peers"] if p["role"] == "block"]
+    assert sorted((p["start"], p["end"]) for p in peers) == [(0, 2), (2, 4), (4, 5)]
+    assert all(p["alive"] for p in testnet["peers"])
+    assert testnet["bootstrap"].startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in testnet["bootstrap"]
+
+
+def test_route_json_lists_every_peer_and_a_complete_route(testnet: dict) -> None:
+    out = cli("route", "--bootstrap", testnet["bootstrap"], "--model", MODEL, "--json", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    ids = {p["peer_id"]: (p["start"], p["end"]) for p in testnet["peers"] if p["role"] == "block"}
+    assert {p["peer_id"]: (p["start"], p["end"]) for p in report["peers"]} == ids
+    assert all(p["rtt_ms"] is not None and p["rtt_ms"] > 0 for p in report["peers"])
+    assert report["coverage"] == [1, 1, 1, 1, 1]
+    hops = report["route"]["hops"]
+    assert [(h["start"], h["end"]) for h in hops] == [(0, 2), (2, 4), (4, 5)]
+    assert report["missing_blocks"] == []
+
+
+def test_ring_gives_the_whole_models_logits_with_truncate(testnet: dict, tiny_qwen2_root: Path, reference) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    g = torch.Generator().manual_seed(7)
+    seq = torch.randint(3, 300, (1, 26), generator=g)
+
+    def embed(ids: torch.Tensor):
+        with torch.no_grad():
+            return head.embed(ids)[0].numpy()
+
+    def logits(hidden) -> torch.Tensor:
+        with torch.no_grad():
+            return head.logits(torch.from_numpy(hidden).unsqueeze(0))[0]
+
+    def full(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(input_ids=ids).logits[0]
+
+    async def main() -> None:
+        async with head_node([testnet["bootstrap"]]) as (node, legs):
+            view = await survey(node, MODEL, 5)
+            assert view.plan is not None
+            async with RouteSession(node, legs, plan_hops(view.plan), model=MODEL, max_len=64) as session:
+                out = await session.forward(embed(seq[:, :20]), start=0, commit=0)
+                assert torch.allclose(logits(out), full(seq[:, :20]), atol=1e-4)
+                at = 20
+                for size in (1, 3, 2):
+                    out = await session.forward(embed(seq[:, at:at + size]), start=at, commit=at)
+                    at += size
+                    assert torch.allclose(logits(out), full(seq[:, :at])[-size:], atol=1e-4)
+                # Roll back 3 tokens (rejected drafts) and append different ones.
+                other = torch.tensor([[5, 6, 7, 8]])
+                out = await session.forward(embed(other), start=at - 3, commit=at - 3)
+                new_seq = torch.cat([seq[:, : at - 3], other], dim=1)
+                assert torch.allclose(logits(out), full(new_seq)[-4:], atol=1e-4)
+                # An explicit Truncate is acknowledged by the last peer with the new length.
+                assert await session.truncate(10) == 10
+                out = await session.forward(embed(seq[:, 10:12]), start=10, commit=None)
+                assert torch.allclose(logits(out), full(seq[:, :12])[-2:], atol=1e-4)
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "random", "ngram"])
+def test_greedy_generation_over_the_swarm_equals_hf(testnet: dict, tiny_qwen2_root: Path, reference, drafter_kind: str) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    prompts = [[1, 17, 42, 99, 5, 17, 42, 99], [1, 250, 3, 3, 3, 3, 8]]
+    n = 20
+
+    def drafter():
+        if drafter_kind == "self":
+            return ModelDrafter(store.load_full(), SamplingParams())
+        if drafter_kind == "random":
+            return ModelDrafter(make_tiny_model("qwen2", seed=99, layers=2), SamplingParams())
+        return NgramDrafter()
+
+    async def main() -> None:
+        async with head_node([testnet["bootstrap"]]) as (node, legs):
+            for prompt in prompts:
+                expected = hf_greedy(reference, prompt, n)
+                for mode in ("ar", "sd", "dsd"):
+                    setup = HeadSetup(head, MODEL, 5, None if mode == "ar" else drafter())
+                    report = await generate_once(node, legs, setup, prompt, GenerationConfig(mode=mode, max_new_tokens=n))
+                    assert report["tokens"] == expected, (mode, drafter_kind, prompt)
+                    assert report["bytes_sent"] > 0 and report["bytes_received"] > 0
+                    if mode == "ar":
+                        assert report["rounds"] == n
+                    elif drafter_kind == "self":
+                        assert report["acceptance_rate"] == 1.0 and report["rounds"] < n
+
+    trio.run(main)
+
+
+def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_qwen2_root: Path, reference) -> None:
+    """After a generation full of rejections, the peers' caches hold exactly the committed prefix:
+    a window at the committed length gives the whole model's next-token logits, and afterwards the
+    peers' KV length is exactly committed + 1 (a window claiming another start is refused).
+    The epoch is set past the engine's (it bumps the epoch at every rejection)."""
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    prompt = [1, 17, 42, 99, 5]
+
+    async def main() -> None:
+        async with head_node([testnet["bootstrap"]]) as (node, legs):
+            view = await survey(node, MODEL, 5)
+            async with RouteSession(node, legs, plan_hops(view.plan), model=MODEL, max_len=128) as session:
+                backend = RouteBackend(head, session)
+                drafter = ModelDrafter(make_tiny_model("qwen2", seed=5, layers=2), SamplingParams())
+                result = await HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16, gamma=4)).generate(prompt)
+                assert result.drafted > result.accepted  # rejections happened
+                committed = len(prompt) + len(result.tokens) - 1
+                # Peers hold at least `committed` entries (the last window may have appended drafts).
+                with torch.no_grad():
+                    h = head.embed(torch.tensor([[result.tokens[-1]]]))[0].numpy()
+                out = await session.forward(h, start=committed, commit=committed, epoch=10_000)
+                whole = prompt + result.tokens
+                with torch.no_grad():
+                    want = reference(input_ids=torch.tensor([whole])).logits[0, -1]
+                    got = head.logits(torch.from_numpy(out).unsqueeze(0))[0, -1]
+                assert torch.allclose(got, want, atol=1e-4)
+                # Now the KV length is exactly committed + 1: a window claiming another start is refused.
+                from dsd.node.client import RouteError
+
+                with pytest.raises(RouteError, match="starts at"):
+                    await session.forward(h, start=committed, commit=None, epoch=10_000, timeout=30)
+
+    trio.run(main)
+
+
+def test_killed_peer_leaves_the_dht_and_route_names_missing_blocks(testnet: dict) -> None:
+    victim = next(p for p in testnet["peers"] if p["role"] == "block" and (p["start"], p["end"]) == (2, 4))
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    deadline = killed_at + RECORD_TTL_S + 20
+    report = None
+    while time.monotonic() < deadline:
+        out = cli("route", "--bootstrap", testnet["bootstrap"], "--model", MODEL, "--num-layers", "5", "--json", timeout=120)
+        report = json.loads(out.stdout)
+        if victim["peer_id"] not in {p["peer_id"] for p in report["peers"]}:
+            break
+        time.sleep(1)
+    assert report is not None
+    assert victim["peer_id"] not in {p["peer_id"] for p in report["peers"]}, "dead peer still announced"
+    assert out.returncode == 1
+    assert report["route"] is None
+    assert report["missing_blocks"] == [2, 3]
+    assert "2" in report["error"] and "3" in report["error"]
