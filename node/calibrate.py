@@ -1,0 +1,35 @@
+"""Measure t0 — one peer's compute for one decoding step — so the emulated WAN can be set to t1 = ratio·t0."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from dsd.shard_store import Store
+
+
+def measure_t0(store: Store, layers: int, *, threads: int = 1, prefill: int = 32, steps: int = 7) -> float:
+    """Median seconds of a 1-token decode step through `layers` layers after a short prefill.
+
+    Uses the same thread count as the testnet's peers so the number describes them.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        span = store.load_span(0, max(1, min(layers, store.num_layers)))
+        cache = span.new_cache()
+        hidden = int(store.manifest.hidden_size)
+        gen = torch.Generator().manual_seed(0)
+        times = []
+        with torch.inference_mode():
+            span(torch.randn(1, prefill, hidden, generator=gen), 0, cache)
+            for _ in range(steps):
+                x = torch.randn(1, 1, hidden, generator=gen)
+                t = time.perf_counter()
+                span(x, cache.length, cache)
+                times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(old)
