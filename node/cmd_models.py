@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +97,39 @@ class _Bars:
             self.task = None
 
 
+_TQDM_LINE = re.compile(r"([^\r\n:]*?)[.\s]*:\s*\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")
+
+
+class _TqdmToBar(io.TextIOBase):
+    """Stderr stand-in during prepare: turns transformers' tqdm bars (GGUF de-quantising) into our
+    bar's detail text and passes every other write through, so tqdm redraws do not flood the terminal."""
+
+    def __init__(self, bars: _Bars, passthrough: Any) -> None:
+        self.bars = bars
+        self.passthrough = passthrough
+        self._after_tqdm = False
+
+    def write(self, text: str) -> int:
+        """Swallow tqdm redraws (updating the bar's detail); forward anything else unchanged."""
+        found = _TQDM_LINE.findall(text)
+        if found:
+            desc, done, total = found[-1]
+            if self.bars.task is not None:
+                detail = f"{desc.strip() or 'working'}: {done}/{total}"
+                self.bars.progress.update(self.bars.task, detail=detail)
+            self._after_tqdm = True
+            return len(text)
+        if self._after_tqdm and not text.strip():
+            return len(text)  # tqdm's closing newline / carriage returns
+        self._after_tqdm = False
+        self.passthrough.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the passthrough stream."""
+        self.passthrough.flush()
+
+
 def _summary_table(summaries: list[tuple[str, dict[str, Any]]]) -> Table:
     """One row per store: role, model id, layers, hidden, vocab, dtype, size (paths are printed apart)."""
     table = Table(title="default model stores")
@@ -128,18 +165,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     try:
         with Progress(*columns, console=console, transient=False) as progress:
             bars = _Bars(progress)
-            for model in DEFAULT_PAIR:
-                steps.append(
-                    prepare_model(
-                        model,
-                        cache,
-                        dtype=args.dtype,
-                        keep_gguf=args.keep_gguf,
-                        progress=bars.update,
-                        on_step=bars.start,
+            with contextlib.redirect_stderr(_TqdmToBar(bars, sys.stderr)):
+                for model in DEFAULT_PAIR:
+                    steps.append(
+                        prepare_model(
+                            model,
+                            cache,
+                            dtype=args.dtype,
+                            keep_gguf=args.keep_gguf,
+                            progress=bars.update,
+                            on_step=bars.start,
+                        )
                     )
-                )
-                bars.finish()
+                    bars.finish()
     except StoreError as exc:
         console.print(f"[red]models prepare failed:[/red] {escape(str(exc))}")
         return 1

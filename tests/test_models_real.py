@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import tomllib
 from importlib import metadata
@@ -240,6 +241,30 @@ def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
     rows = [line for line in out.splitlines() if "tiny-qwen2" in line]
     assert len(rows) == 2 and all("float32" in r and " 64 " in r for r in rows)
     assert any(" 5 " in r for r in rows) and any(" 2 " in r for r in rows)  # layers of target, draft
+
+
+def test_cli_turns_tqdm_into_bar_detail_and_passes_other_stderr() -> None:
+    """transformers' GGUF tqdm bar updates our bar instead of flooding stderr; other text passes through."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+    from tqdm import tqdm
+
+    from dsd.node.cmd_models import _Bars, _TqdmToBar
+
+    passthrough = io.StringIO()
+    progress = Progress(TextColumn("{task.fields[detail]}"), console=Console(file=io.StringIO()))
+    bars = _Bars(progress)
+    bars.start("convert", TARGET)
+    sink = _TqdmToBar(bars, passthrough)
+    with contextlib.redirect_stderr(sink):
+        for _ in tqdm(range(7), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        print("a real warning", file=sys.stderr)
+    assert progress.tasks[0].fields["detail"] == "Converting and de-quantizing GGUF tensors: 7/7"
+    assert passthrough.getvalue() == "a real warning\n"
 
 
 def test_cache_and_store_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
