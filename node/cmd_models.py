@@ -73,7 +73,7 @@ class _Bars:
         self.finish()
         self.kind = step
         if step == "assemble":
-            label = f"assemble + sha256  {model.gguf_name}"
+            label = f"assemble + sha256  {model.model_id}"
             self.task = self.progress.add_task(label, total=model.size, detail="")
         else:
             label = f"convert  {model.model_id}"
@@ -115,7 +115,7 @@ class _TqdmToBar(io.TextIOBase):
         if found:
             desc, done, total = found[-1]
             if self.bars.task is not None:
-                detail = f"{desc.strip() or 'working'}: {done}/{total}"
+                detail = f"{(desc.strip() or 'working')[:44]}: {done}/{total}"
                 self.bars.progress.update(self.bars.task, detail=detail)
             self._after_tqdm = True
             return len(text)
@@ -157,10 +157,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=20),
         TaskProgressColumn(),
-        TextColumn("{task.fields[detail]}"),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}"),
     )
     try:
         with Progress(*columns, console=console, transient=False) as progress:
