@@ -12,23 +12,37 @@ import trio
 
 from dsd.shard_store import HeadModule
 
+from .client import RouteError
+
 if TYPE_CHECKING:
     from .client import RouteSession
+    from .failover import RouteKeeper
 
 
 class RouteBackend:
     """DSD over a route of block peers: embed on the head, layers on the peers, logits on the head.
 
     Only hidden states cross the wire, and the head computes the target logits
-    itself, so verification sees exactly the target's distribution.
+    itself, so verification sees exactly the target's distribution. The backend
+    remembers every token it has placed in the peers' caches; when a `RouteKeeper`
+    replaces a failed route, it replays them into the new peers (in chunks) and
+    re-sends the window, so the engine never notices beyond the delay.
     """
 
-    def __init__(self, head: HeadModule, session: RouteSession, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128) -> None:
         self.head = head
-        self.session = session
+        self.keeper = keeper
         self.timeout_s = timeout_s
+        self.replay_chunk = replay_chunk
         self._limiter = trio.CapacityLimiter(1)
         self.head_compute_s = 0.0
+        self._tokens: list[int] = []  # token at each position the peers hold (or are computing)
+        self._failure: RouteError | None = None
+
+    @property
+    def session(self) -> RouteSession:
+        assert self.keeper.session is not None
+        return self.keeper.session
 
     def _embed(self, tokens: Sequence[int]) -> np.ndarray:
         with torch.inference_mode():
@@ -40,14 +54,42 @@ class RouteBackend:
             h = torch.from_numpy(np.ascontiguousarray(hidden[-rows:], dtype=np.float32)).unsqueeze(0)
             return self.head.logits(h)[0].to(torch.float32)
 
-    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+    async def _send(self, tokens: Sequence[int], start: int, commit: int | None, epoch: int) -> None:
         t0 = time.perf_counter()
         hidden = await trio.to_thread.run_sync(self._embed, tokens, limiter=self._limiter)
         self.head_compute_s += time.perf_counter() - t0
         await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch)
 
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        self._tokens = self._tokens[:start] + list(tokens)
+        self._failure = None
+        try:
+            await self._send(tokens, start, commit, epoch)
+        except RouteError as exc:
+            self._failure = exc  # handled in collect(), where the window's result is awaited
+
+    async def _replay(self, epoch: int) -> None:
+        """Fill a fresh route's caches with every held token; the last chunk's result is the window's."""
+        for at in range(0, len(self._tokens), self.replay_chunk):
+            chunk = self._tokens[at : at + self.replay_chunk]
+            await self._send(chunk, at, at, epoch)
+            if at + len(chunk) < len(self._tokens):
+                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        _, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+        while True:
+            if self._failure is None:
+                try:
+                    _, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+                    break
+                except RouteError as exc:
+                    self._failure = exc
+            failure, self._failure = self._failure, None
+            await self.keeper.replace(failure)
+            try:
+                await self._replay(epoch)
+            except RouteError as exc:
+                self._failure = exc
         t0 = time.perf_counter()
         logits = await trio.to_thread.run_sync(self._logits, hidden, rows, limiter=self._limiter)
         self.head_compute_s += time.perf_counter() - t0

@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cmd_daemon",  # start, route
     "cmd_testnet",  # testnet up/down/status
     "cmd_generate",  # generate
+    "cmd_workers",  # workers (federated mode)
     "cmd_demo",  # demo: the main job end to end
 )
 

@@ -76,13 +76,12 @@ class ReturnLegs:
             while True:
                 msg = await stream.receive()
                 await inbox.send(msg)
-        except EOFError:
-            pass
-        except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            # After a normal close nobody reads the inbox any more; otherwise the route is broken.
             with trio.move_on_after(1):
                 try:
-                    await inbox.send(RouteError(f"return leg from {remote} failed: {exc!r}", peer=remote))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await inbox.send(RouteError(f"return leg from {remote} ended: {exc!r}", peer=remote))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
                     pass
         finally:
             with trio.move_on_after(2):
@@ -111,6 +110,7 @@ class RouteSession:
         wire: WireFormat | None = None,
         open_timeout_s: float = 60.0,
         session_id: str | None = None,
+        nursery: trio.Nursery | None = None,
     ) -> None:
         if not hops:
             raise ValueError("a route needs at least one hop")
@@ -125,8 +125,11 @@ class RouteSession:
         self.traffic = Traffic()
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
-        self._nursery: trio.Nursery | None = None
-        self._nursery_cm = trio.open_nursery()
+        # The watcher task runs in the caller's nursery when given (so the session can be opened
+        # and closed from different tasks), else in one this session opens for itself.
+        self._nursery = nursery
+        self._own_nursery_cm = None if nursery is not None else trio.open_nursery()
+        self._watch_scope = trio.CancelScope()
 
     @property
     def peers(self) -> list[str]:
@@ -136,13 +139,15 @@ class RouteSession:
         return Hop(self.node.peer_id, tuple(self.node.addrs), 0, 0)
 
     async def __aenter__(self) -> RouteSession:
-        self._nursery = await self._nursery_cm.__aenter__()
+        if self._own_nursery_cm is not None:
+            self._nursery = await self._own_nursery_cm.__aenter__()
         try:
             await self._open()
-        except BaseException:
-            self._nursery.cancel_scope.cancel()
-            await self._nursery_cm.__aexit__(None, None, None)
+        except BaseException as exc:
+            self._watch_scope.cancel()
             self.legs.forget(self.id)
+            if self._own_nursery_cm is not None:
+                await self._own_nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         return self
 
@@ -150,10 +155,11 @@ class RouteSession:
         try:
             await self._close()
         finally:
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel()
+            self._watch_scope.cancel()
             self.legs.forget(self.id)
-        return await self._nursery_cm.__aexit__(*exc)
+        if self._own_nursery_cm is not None:
+            return await self._own_nursery_cm.__aexit__(*exc)
+        return None
 
     async def _open(self) -> None:
         first = self.hops[0]
@@ -183,6 +189,10 @@ class RouteSession:
 
     async def _watch_first_stream(self) -> None:
         """Errors relayed back along the chain arrive on the first stream; hand them to the inbox."""
+        with self._watch_scope:
+            await self._watch()
+
+    async def _watch(self) -> None:
         assert self._stream is not None
         inbox = self.legs.inbox(self.id)
         try:
@@ -204,7 +214,9 @@ class RouteSession:
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, Error):
-            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code)
+            # Peers name themselves (or the next hop they could not reach) in their error messages.
+            named = [h.peer_id for h in self.hops if h.peer_id in item.message]
+            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=named[-1] if named else None)
         return item
 
     async def _send(self, msg: Message) -> None:

@@ -62,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
+    fed = p.add_argument_group("federated worker (SpecFed)")
+    fed.add_argument("--federated", action="store_true", help="load the whole model of --store and answer draft windows with top-K distributions")
+    fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="largest K this worker returns (default: the vocabulary size)")
+    fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16", help="probability codec of the top-K answers")
     add_wan_options(p)
     p.set_defaults(func=cmd_start)
 
@@ -98,7 +102,16 @@ def cmd_start(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         allow_peers=read_allow_list(args.allow_peers),
         record_ttl_s=args.record_ttl,
+        federated=args.federated,
+        topk_cap=args.topk_cap,
+        topk_codec=args.topk_codec,
     )
+    if args.federated and cfg.store is None:
+        print("dsd-node: --federated needs --store (the whole model the worker serves)", file=sys.stderr)
+        return 2
+    if args.topk_cap is not None and args.topk_cap < 1:
+        print(f"dsd-node: --topk-cap must be >= 1, got {args.topk_cap}", file=sys.stderr)
+        return 2
     if cfg.store is not None and not (Path(cfg.store) / "manifest.json").exists():
         print(f"dsd-node: {cfg.store} is not a model store (no manifest.json); see `dsd-node convert`", file=sys.stderr)
         return 2

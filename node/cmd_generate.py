@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
     p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
     p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
-    p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram", help="draft model store, or ngram for model-free prompt lookup (default)")
+    p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram", help="draft model store, or ngram for model-free prompt lookup (default; with --federated the default is the --store model)")
     p.add_argument("--mode", choices=MODES, default="dsd", help="ar: one token per trip; sd: draft, send, wait; dsd: draft the next window during the trip (default); dsd-adaptive: dsd + adaptive verification")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a store with a tokenizer)")
@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     add_wan_options(p)
+    from .cmd_workers import add_generate_options
+
+    add_generate_options(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -93,16 +96,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dsd.shard_store import Store, StoreError
 
     from .client import RouteError
-    from .generate import generate_once
+    from .generate import GenerationFailed, generate_once
     from .head import GenerationConfig
     from .headnode import head_node
     from .sampling import SamplingParams
 
+    if args.federated:
+        from .cmd_workers import cmd_generate_federated
+
+        return cmd_generate_federated(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        setup, tokenizer = load_head_setup(args.store, args.draft, params, args.seed)
+        setup, tokenizer = load_head_setup(args.store, args.draft or "ngram", params, args.seed)
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
@@ -125,14 +132,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     async def main() -> dict:
         async with head_node(args.bootstrap, link_profile(args), seed=args.seed) as (node, legs):
-            return await generate_once(node, legs, setup, prompt, cfg, on_tokens=on_tokens)
+            return await generate_once(node, legs, setup, prompt, cfg, on_tokens=on_tokens, tokenizer=tokenizer)
+
+    def text_of(tokens: list[int]) -> str | None:
+        return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
 
     try:
         report = trio.run(main)
-    except (NoRouteError, RouteError) as exc:
-        print(f"\ndsd-node: generation failed: {exc}", file=sys.stderr)
+    except GenerationFailed as exc:
+        print(f"\ndsd-node: generation failed after {len(exc.tokens)} tokens: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({**exc.report, "tokens": exc.tokens, "text": text_of(exc.tokens), "error": str(exc)}))
         return 1
-    report["text"] = tokenizer.decode(report["tokens"], skip_special_tokens=True) if tokenizer is not None else None
+    except (NoRouteError, RouteError) as exc:
+        print(f"dsd-node: generation failed: {exc}", file=sys.stderr)
+        return 1
+    report["text"] = text_of(report["tokens"])
     if args.json:
         print(json.dumps(report))
     else:

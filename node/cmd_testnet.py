@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tsub.required = True
 
     up = tsub.add_parser("up", help="start a bootstrap node and N block peers; return once a full route is visible")
-    up.add_argument("--store", type=Path, required=True, help="model store the peers serve")
+    up.add_argument("--store", type=Path, default=None, help="model store the peers serve (required unless --worker-stores)")
     up.add_argument("--peers", type=int, default=4, help="number of block peers (default 4)")
     up.add_argument("--replicas", type=int, default=1, help="peers per span: the layers are split into PEERS/REPLICAS spans")
     up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
     up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
+    fed = up.add_argument_group("federated mode: whole-model workers instead of block peers")
+    fed.add_argument("--federated", action="store_true", help="start one federated worker per store (--store, --store2 or --worker-stores)")
+    fed.add_argument("--store2", type=Path, default=None, help="a second worker's store (same vocabulary)")
+    fed.add_argument("--worker-stores", default=None, metavar="A,B,...", help="the workers' stores, one worker each")
+    fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="every worker's K cap")
+    fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16")
     add_wan_options(up)
     up.set_defaults(func=cmd_up)
 
@@ -62,6 +68,10 @@ def bring_up(args: argparse.Namespace) -> TestnetState:
     from dsd.shard_store import Store
 
     state_dir: Path = args.state
+    if getattr(args, "federated", False):
+        return bring_up_federated(args)
+    if args.store is None:
+        raise SystemExit("dsd-node: testnet up needs --store")
     state_dir.mkdir(parents=True, exist_ok=True)
     try:
         old = TestnetState.load(state_dir)
@@ -114,6 +124,89 @@ def bring_up(args: argparse.Namespace) -> TestnetState:
         raise
 
 
+def worker_stores(args: argparse.Namespace) -> list[Path]:
+    """The stores of `testnet up --federated`, one worker each."""
+    if args.worker_stores:
+        return [Path(x.strip()) for x in args.worker_stores.split(",") if x.strip()]
+    if args.store is None:
+        raise SystemExit("dsd-node: testnet up --federated needs --store (and optionally --store2) or --worker-stores")
+    return [args.store] + ([args.store2] if args.store2 else [])
+
+
+def bring_up_federated(args: argparse.Namespace) -> TestnetState:
+    """Start a bootstrap node and one federated worker per store; return once every worker is announced."""
+    from dsd.shard_store import Store
+
+    from .federated import pool_key
+
+    state_dir: Path = args.state
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        old = TestnetState.load(state_dir)
+        if any(pid_alive(p.pid) for p in old.peers):
+            raise SystemExit(f"dsd-node: a testnet already runs from {state_dir}; `dsd-node testnet down --state {state_dir}` first")
+    except FileNotFoundError:
+        pass
+    stores = worker_stores(args)
+    vocabs = {str(s): int(Store(s).manifest.vocab_size) for s in stores}
+    if len(set(vocabs.values())) != 1:
+        raise SystemExit(f"dsd-node: federated workers must share the vocabulary, got {vocabs}")
+    vocab = next(iter(vocabs.values()))
+    ready_dir = state_dir / "ready"
+    ready_dir.mkdir(exist_ok=True)
+    for f in ready_dir.glob("*.json"):
+        f.unlink()
+    t0 = time.monotonic()
+    started: list[PeerProcess] = []
+    try:
+        boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state_dir / "keys" / "bootstrap.key"),
+                                   "--ready-file", str(ready_dir / "bootstrap.json"), *wan_args(args)], state_dir)
+        started.append(boot)
+        info = wait_ready(ready_dir / "bootstrap.json", boot, args.timeout)
+        boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+        for i, store in enumerate(stores):
+            name = f"worker{i}"
+            extra = ["--topk-cap", str(args.topk_cap)] if args.topk_cap else []
+            proc = spawn(name, [
+                "start", "--federated", "--store", str(store), "--bootstrap", boot.multiaddr,
+                "--identity", str(state_dir / "keys" / f"{name}.key"), "--ready-file", str(ready_dir / f"{name}.json"),
+                "--threads", str(args.threads), "--record-ttl", str(args.record_ttl), "--topk-codec", args.topk_codec,
+                *extra, *wan_args(args),
+            ], state_dir)
+            proc.role = "federated"
+            started.append(proc)
+        for proc in started[1:]:
+            info = wait_ready(ready_dir / f"{proc.name}.json", proc, max(1.0, args.timeout - (time.monotonic() - t0)))
+            proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
+            proc.start, proc.end = info["start"], info["end"]
+        state = TestnetState(
+            bootstrap=boot.multiaddr, model=pool_key(vocab), store=",".join(str(s) for s in stores), num_layers=None,
+            peers=started, wan={"latency_ms": args.wan_latency_ms, "jitter_ms": args.wan_jitter_ms, "mbit": args.wan_mbit},
+        )
+        state.save(state_dir)
+        trio.run(_wait_workers, state, vocab, max(1.0, args.timeout - (time.monotonic() - t0)))
+        state.up_seconds = round(time.monotonic() - t0, 3)
+        state.save(state_dir)
+        return state
+    except BaseException:
+        stop_processes([p.pid for p in reversed(started)])
+        raise
+
+
+async def _wait_workers(state: TestnetState, vocab: int, timeout_s: float) -> None:
+    from .federated import find_workers
+    from .headnode import head_node
+
+    want = {p.peer_id for p in state.peers if p.role == "federated"}
+    async with head_node([state.bootstrap]) as (node, _legs):
+        with trio.move_on_after(timeout_s):
+            while True:
+                if want <= {w.peer_id for w in await find_workers(node, vocab)}:
+                    return
+                await trio.sleep(0.5)
+    raise TimeoutError(f"federated workers not all announced after {timeout_s:.0f} s")
+
+
 async def _wait_route(state: TestnetState, timeout_s: float) -> None:
     from .headnode import head_node
     from .routing import wait_for_route
@@ -133,7 +226,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         print(f"testnet up in {state.up_seconds:.1f} s: bootstrap {state.bootstrap}")
         for p in state.peers[1:]:
-            print(f"  {p.name}  blocks {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}")
+            what = "federated worker" if p.role == "federated" else "blocks"
+            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}")
         print(f"state in {args.state}; stop with: dsd-node testnet down --state {args.state}")
     return 0
 

@@ -52,6 +52,9 @@ class DaemonConfig:
     allow_peers: set[str] | None = None
     record_ttl_s: float = 30.0
     seed: int | None = None
+    federated: bool = False  # serve the whole model as a federated worker (`/dsd/federated/1`)
+    topk_cap: int | None = None  # federated: largest K returned (default: the vocabulary)
+    topk_codec: str = "fp16"  # federated: probability codec of the top-K answers
 
 
 def parse_blocks(text: str, num_layers: int) -> tuple[int, int]:
@@ -128,7 +131,22 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
             server = None
             announcer = None
             info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid()}
-            if store is not None:
+            if store is not None and cfg.federated:
+                from .federated import FEDERATED_PROTOCOL, FederatedWorker, make_handler
+
+                t0 = time.perf_counter()
+                worker = await trio.to_thread.run_sync(
+                    lambda: FederatedWorker(node, store, topk_cap=cfg.topk_cap, prob_codec=cfg.topk_codec, limits=cfg.limits)
+                )
+                log.info("loaded %s as a federated worker in %.1f s", worker.model_id, time.perf_counter() - t0)
+                throughput = await worker.measure_throughput()
+                info.update(role="federated", model=worker.model_id, start=0, end=worker.num_layers,
+                            num_layers=worker.num_layers, vocab_size=worker.vocab_size, topk_cap=worker.topk_cap,
+                            throughput=throughput)
+                node.set_handler(FEDERATED_PROTOCOL, make_handler(worker))
+                announcer = Announcer(node, worker.records, ttl_s=cfg.record_ttl_s)
+                await nursery.start(announcer.run)
+            elif store is not None:
                 manifest = store.manifest
                 num_layers = int(manifest.num_layers)
                 if cfg.blocks in (None, "auto"):

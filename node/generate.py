@@ -7,13 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsd.discovery.host import P2PNode
+from dsd.discovery.planner import NoRouteError
 from dsd.protocol import Hop
 from dsd.shard_store import HeadModule
 
 from .backends import RouteBackend
-from .client import ReturnLegs, RouteSession
+from .client import ReturnLegs, RouteError
+from .failover import Blacklist, RouteKeeper
 from .head import Drafter, GenerationConfig, HeadEngine
-from .routing import survey
 from .settings import WireFormat
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,16 @@ def plan_hops(plan) -> list[Hop]:
     return list(plan.protocol_hops())
 
 
+class GenerationFailed(Exception):
+    """Generation stopped (no route left, too many failovers); `tokens` holds what was generated."""
+
+    def __init__(self, cause: Exception, tokens: list[int], report: dict) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.tokens = tokens
+        self.report = report
+
+
 async def generate_once(
     node: P2PNode,
     legs: ReturnLegs,
@@ -44,25 +55,36 @@ async def generate_once(
     hops: list[Hop] | None = None,
     wire: WireFormat | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    tokenizer=None,
+    blacklist: Blacklist | None = None,
 ) -> dict:
-    """Generate once; returns the `--json` report (without text)."""
-    if hops is None:
-        view = await survey(node, setup.model_id, setup.num_layers)
-        if view.plan is None:
-            assert view.error is not None
-            raise view.error
-        hops = plan_hops(view.plan)
+    """Generate once over a planned route (failing over when a peer fails); returns the `--json` report."""
     max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
-    async with RouteSession(node, legs, hops, model=setup.model_id, max_len=max_len, wire=wire) as session:
-        backend = RouteBackend(setup.head, session, timeout_s=cfg.result_timeout_s)
-        engine = HeadEngine(backend, setup.drafter, cfg)
-        result = await engine.generate(prompt, on_tokens=on_tokens)
+    keeper = RouteKeeper(
+        node, legs, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire, hops=hops,
+        blacklist=blacklist,
+    )
+    async with keeper:
+        backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s)
+        engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
+
+        def traffic() -> dict:
+            s = keeper.session
+            return {
+                "route": [h.peer_id for h in s.hops] if s else [],
+                "spans": [[h.start, h.end] for h in s.hops] if s else [],
+                "bytes_sent": keeper.bytes_sent,
+                "bytes_received": keeper.bytes_received,
+                "head_compute_s": round(backend.head_compute_s, 4),
+                "failovers": len(keeper.events),
+                "failover_s": [round(e.seconds, 3) for e in keeper.events],
+                "failover_blamed": [e.blamed for e in keeper.events],
+            }
+
+        try:
+            result = await engine.generate(prompt, on_tokens=on_tokens)
+        except (RouteError, NoRouteError) as exc:
+            raise GenerationFailed(exc, list(engine.progress), traffic()) from exc
         report = result.as_dict()
-        report.update(
-            route=[h.peer_id for h in hops],
-            spans=[[h.start, h.end] for h in hops],
-            bytes_sent=session.traffic.sent,
-            bytes_received=session.traffic.received,
-            head_compute_s=round(backend.head_compute_s, 4),
-        )
+        report.update(traffic())
     return report

@@ -37,7 +37,11 @@ class TargetBackend(Protocol):
     async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None: ...
 
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        """Target logits for the last `rows` positions of the submitted window, [rows, V]."""
+        """Target logits for the last `rows` positions of the submitted window, [rows, V].
+
+        A backend with a true `returns_probs` attribute returns probabilities instead, already
+        warped by whoever computed them (federated workers): see `HeadEngine`.
+        """
         ...
 
 
@@ -152,12 +156,19 @@ class HeadEngine:
         self.cfg = cfg
         # In dsd the drafting hides behind the trip; in sd it adds to it.
         self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=cfg.mode != "sd")
+        # A probability backend already applied temperature/top-p: verify against log(p) at temperature 1
+        # (warp gives p back; the user's top-k, if any, then filters the aggregate); greedy = argmax of p.
+        self.returns_probs = bool(getattr(backend, "returns_probs", False))
+        self.verify_params = cfg.params
+        if self.returns_probs and not cfg.params.greedy:
+            self.verify_params = SamplingParams(temperature=1.0, top_k=cfg.params.top_k)
         self.adaptive = (
-            AdaptiveVerifier(tau_max=cfg.tau_max, params=cfg.params) if cfg.mode == "dsd-adaptive" else None
+            AdaptiveVerifier(tau_max=cfg.tau_max, params=self.verify_params) if cfg.mode == "dsd-adaptive" else None
         )
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.times = TimeBreakdown()
         self._draft_token_s = 0.0
+        self.progress: list[int] = []  # new tokens so far (kept when generation fails midway)
 
     # --- drafting ---------------------------------------------------------
 
@@ -191,7 +202,7 @@ class HeadEngine:
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         committed = list(prompt)
-        new: list[int] = []
+        self.progress = new = []
         t_start = time.perf_counter()
         rounds = drafted_total = accepted_total = 0
         per_round: list[int] = []
@@ -210,13 +221,15 @@ class HeadEngine:
             if cfg.mode in ("dsd", "dsd-adaptive") and gamma_next > 0:
                 # Draft the next window during the trip, assuming this one is fully accepted.
                 arrived = trio.Event()
-                box: list[torch.Tensor] = []
+                box: list[torch.Tensor | Exception] = []
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._collect_into, box, arrived, epoch, len(drafts.tokens) + 1)
                     pre = await self._draft(committed + drafts.tokens, gamma_next + 1, stop=arrived)
                     t_wait = time.perf_counter()
                     await arrived.wait()
                     self.times.waiting += time.perf_counter() - t_wait
+                if isinstance(box[0], Exception):
+                    raise box[0]
                 logits = box[0]
             else:
                 t_wait = time.perf_counter()
@@ -267,9 +280,14 @@ class HeadEngine:
             prefill_s=prefill_s,
         )
 
-    async def _collect_into(self, box: list[torch.Tensor], arrived: trio.Event, epoch: int, rows: int) -> None:
-        box.append(await self.backend.collect(epoch=epoch, rows=rows))
-        arrived.set()
+    async def _collect_into(self, box: list, arrived: trio.Event, epoch: int, rows: int) -> None:
+        """Collect the window's logits in a side task; a failure is handed back, not raised in the nursery."""
+        try:
+            box.append(await self.backend.collect(epoch=epoch, rows=rows))
+        except Exception as exc:
+            box.append(exc)
+        finally:
+            arrived.set()
 
     def _next_gamma(self, produced_after_window: int) -> int:
         """Window size for the next round, never drafting past max_new_tokens."""
@@ -279,11 +297,13 @@ class HeadEngine:
         return max(0, min(self.window.next_gamma(), room))
 
     def _verify(self, logits: torch.Tensor, drafts: _Draft) -> tuple[list[int], int]:
+        if self.returns_probs:
+            logits = torch.log(logits)
         tau = None
         q = drafts.stacked_probs()
         if self.adaptive is not None and drafts.tokens:
             tau = self.adaptive.taus(logits[: len(drafts.tokens)], q, drafts.tokens)
-        verdict = verify_window(logits, drafts.tokens, q, self.cfg.params, self.gen, tau)
+        verdict = verify_window(logits, drafts.tokens, q, self.verify_params, self.gen, tau)
         if self.adaptive is not None and drafts.tokens:
             self.adaptive.observe(logits, q, drafts.tokens, accepted=verdict.accepted)
         return list(verdict.tokens), verdict.accepted

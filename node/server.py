@@ -61,6 +61,7 @@ class Session:
     cache: Any
     downstream: FramedStream
     last_hop: bool
+    next_peer: str = ""
     epoch: int = 0
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
@@ -141,7 +142,7 @@ class BlockServer:
                     await self._session_loop(session, upstream)
                 except SessionError as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
-                    await _send_quietly(upstream, Error(exc.code, exc.message, session.id))
+                    await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc.message}", session.id))
                 except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
                 except Exception as exc:
@@ -198,7 +199,7 @@ class BlockServer:
             self.reserved_tokens -= msg.max_len
             raise SessionError("unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}") from exc
         span = self._span_for(msg.start, msg.end)
-        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop)
+        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop, nxt.peer_id)
         self.sessions[key] = session
         return session
 
@@ -305,7 +306,9 @@ class BlockServer:
             with trio.fail_after(self.limits.send_timeout_s):
                 await session.downstream.send(msg)
         except Exception as exc:  # timeout, reset stream, peer gone
-            raise SessionError("unreachable", f"next hop unreachable: {type(exc).__name__}: {exc}") from exc
+            raise SessionError(
+                "unreachable", f"next hop {session.next_peer} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 async def _send_quietly(stream: FramedStream, msg: Message) -> None:

@@ -47,6 +47,9 @@ ERROR_CODES = (
     "busy",
     "internal",
     "forbidden",
+    "unreachable",  # the next hop of a route could not be reached
+    "idle",  # a session closed after its idle timeout
+    "shutting_down",  # the peer is leaving; fail over
 )
 
 # A field kind: validate (and normalise) a Python value; `decode` turns the msgpack form into one.
@@ -446,6 +449,10 @@ def _top_k(v: Any, f: str, lim: Limits) -> int:
     return check_int(v, f, 1, lim.max_topk)
 
 
+def _opt_rows(v: Any, f: str, lim: Limits) -> int | None:
+    return check_opt_int(v, f, 1, lim.max_tokens_per_window)
+
+
 @dataclass(frozen=True)
 class DraftWindow(Message):
     """Federated mode: the server's drafted tokens at positions start..; workers answer with a TopKResult."""
@@ -460,6 +467,7 @@ class DraftWindow(Message):
         _Field("top_k", _top_k),
         _Field("temperature", _temperature),
         _Field("top_p", _top_p, optional=True),
+        _Field("rows", _opt_rows, optional=True),
     )
     session: str
     epoch: int
@@ -469,6 +477,11 @@ class DraftWindow(Message):
     top_k: int
     temperature: float
     top_p: float = 1.0
+    rows: int | None = None  # answer only the last `rows` positions (a prefill needs one); None = all
+
+    def _check_more(self, limits: Limits, prefix: str) -> None:
+        if self.rows is not None and self.rows > len(self.tokens):
+            raise ProtocolError(f"asks for {self.rows} rows of a {len(self.tokens)}-token window", f"{prefix}.rows")
 
 
 def _id_codec(v: Any, f: str, lim: Limits) -> str:

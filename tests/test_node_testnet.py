@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import trio
-from conftest import make_tiny_model
 from transformers import AutoModelForCausalLM
 
+from conftest import make_tiny_model
 from dsd.node.backends import RouteBackend
 from dsd.node.client import RouteSession
 from dsd.node.drafters import ModelDrafter, NgramDrafter
+from dsd.node.failover import RouteKeeper
 from dsd.node.generate import HeadSetup, generate_once, plan_hops
 from dsd.node.head import GenerationConfig, HeadEngine
 from dsd.node.headnode import head_node
@@ -169,8 +170,9 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
     async def main() -> None:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             view = await survey(node, MODEL, 5)
-            async with RouteSession(node, legs, plan_hops(view.plan), model=MODEL, max_len=128) as session:
-                backend = RouteBackend(head, session)
+            async with RouteKeeper(node, legs, model=MODEL, num_layers=5, max_len=128, hops=plan_hops(view.plan)) as keeper:
+                session = keeper.session
+                backend = RouteBackend(head, keeper)
                 drafter = ModelDrafter(make_tiny_model("qwen2", seed=5, layers=2), SamplingParams())
                 result = await HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16, gamma=4)).generate(prompt)
                 assert result.drafted > result.accepted  # rejections happened

@@ -1,0 +1,108 @@
+"""Failover on a real 4-peer testnet with two replicas per span: a peer SIGKILLed in the middle of
+a greedy generation is replaced and the output is exactly the uninterrupted one; when no replica
+is left, generation stops with an error naming the missing blocks and keeps the tokens so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from transformers import AutoModelForCausalLM
+
+from dsd.discovery.planner import NoRouteError
+from dsd.node.backends import RouteBackend
+from dsd.node.drafters import NgramDrafter
+from dsd.node.failover import RouteKeeper
+from dsd.node.head import GenerationConfig, HeadEngine
+from dsd.node.headnode import head_node
+from dsd.shard_store import Store
+
+pytestmark = pytest.mark.network
+
+MODEL = "tiny-qwen2"
+N_NEW = 64
+PROMPT = [1, 17, 42, 99, 5, 17, 42, 99, 7]
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def replicated(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    state = tmp_path_factory.mktemp("replicated")
+    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2",
+             "--state", str(state), "--record-ttl", "6", "--json")
+    assert up.returncode == 0, up.stderr[-3000:]
+    yield json.loads(up.stdout)
+    cli("testnet", "down", "--state", str(state), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen2_root: Path) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def pid_of(testnet: dict, peer_id: str) -> int:
+    return next(p["pid"] for p in testnet["peers"] if p["peer_id"] == peer_id)
+
+
+async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]):
+    """Generate greedily; after the given numbers of tokens, SIGKILL the route's hop at the given position."""
+    head = store.load_head()
+    killed: list[str] = []
+    async with head_node([testnet["bootstrap"]]) as (node, legs):
+        async with RouteKeeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
+            engine = HeadEngine(RouteBackend(head, keeper, timeout_s=60), NgramDrafter(),
+                                GenerationConfig(mode="dsd", max_new_tokens=N_NEW, gamma=3))
+            produced = 0
+
+            def on_tokens(toks: list[int]) -> None:
+                nonlocal produced
+                produced += len(toks)
+                for threshold, which in list(kill_after.items()):
+                    if produced >= threshold:
+                        del kill_after[threshold]
+                        hops = keeper.session.hops
+                        victim = hops[0] if which == "first" else hops[-1]
+                        os.kill(pid_of(testnet, victim.peer_id), signal.SIGKILL)
+                        killed.append(victim.peer_id)
+
+            try:
+                result = await engine.generate(PROMPT, on_tokens=on_tokens)
+            except NoRouteError as exc:
+                return None, exc, engine.progress, keeper.events, killed
+            return result, None, engine.progress, keeper.events, killed
+
+
+def test_killed_peer_is_replaced_and_output_is_unchanged(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    result, error, _, events, killed = trio.run(run_with_kills, replicated, store, {16: "last"})
+    assert error is None, error
+    assert result.tokens == expected
+    assert len(events) == 1
+    assert events[0].blamed == killed
+    assert killed[0] not in events[0].new_route
+    assert events[0].seconds < 30
+
+
+def test_no_replacement_stops_with_missing_blocks_and_keeps_the_prefix(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
+    """Runs after the test above: the span that lost a replica loses its other one too."""
+    store = Store(tiny_qwen2_root / "store")
+    result, error, progress, _, killed = trio.run(run_with_kills, replicated, store, {8: "last"})
+    assert result is None
+    assert isinstance(error, NoRouteError)
+    assert error.missing_blocks == [3, 4]
+    assert "3-4" in str(error)
+    assert 8 <= len(progress) < N_NEW
+    assert progress == expected[: len(progress)]
