@@ -1,0 +1,172 @@
+"""Shared pieces of the benchmarks: run metadata, a tiny random target store, a testnet that always
+stops, one generation over a fixed route, and result files.
+
+The benchmarks are scripts (`python bench/<name>.py`), so this module is imported by its bare name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+TINY_MODEL_ID = "tiny-qwen2-bench"
+
+
+def git_commit() -> str:
+    """The checkout's commit (with `+dirty` when tracked files differ), or "unknown"."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU count and model, memory, Python and torch versions."""
+    import torch
+
+    cpu_model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    mem_gb = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_gb = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "mem_gb": mem_gb,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads_head": torch.get_num_threads(),
+    }
+
+
+def run_metadata(name: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """The header every result file carries: name, date, commit, machine and the settings used."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} if args else {}
+    return {
+        "name": name,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine_info(),
+        "settings": settings,
+    }
+
+
+def today() -> str:
+    return dt.date.today().isoformat()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (a crash mid-write never leaves half a results file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layers: int = 8, hidden: int = 64,
+                     seed: int = 0) -> Path:
+    """A tiny random Qwen2 converted to a store at folder/store (reused if present).
+
+    With `tokenizer_store` it takes that store's tokenizer and vocabulary size (real prompts, real
+    token counts); without, a 512-id vocabulary and no tokenizer (prompts as UTF-8 bytes).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dsd.shard_store import Store, convert
+    from dsd.shard_store.default_models import store_complete
+
+    store = folder / "store"
+    if store_complete(store):
+        return store
+    tokenizer, vocab = None, 512
+    if tokenizer_store is not None:
+        src = Store(tokenizer_store)
+        tokenizer, vocab = src.load_tokenizer(), int(src.manifest.config["vocab_size"])
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.2,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder / "hf")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder / "hf")
+    convert(folder / "hf", store, model_id=TINY_MODEL_ID, overwrite=True)
+    return store
+
+
+def byte_ids(text: str) -> list[int]:
+    """Token ids for a tokenizer-less tiny model: the UTF-8 bytes."""
+    return list(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, timeout_s: float = 600.0) -> Iterator[Any]:
+    """A local testnet (bootstrap + `peers` block peers, 1 thread each, WAN latency) that is always stopped."""
+    from dsd.node.cmd_testnet import bring_up
+    from dsd.node.testnet import stop_processes
+
+    args = argparse.Namespace(
+        store=store, peers=peers, replicas=1, state=state_dir, threads=1, codec="raw", record_ttl=60.0,
+        timeout=timeout_s, wan_latency_ms=latency_ms, wan_jitter_ms=0.0, wan_mbit=None,
+    )
+    state = bring_up(args)
+    try:
+        yield state
+    finally:
+        stop_processes([p.pid for p in reversed(state.peers)])
+
+
+async def plan_once(node: Any, model_id: str, num_layers: int) -> list[Any]:
+    """Survey the swarm once and return the planned route's hops (every run of a setting reuses them)."""
+    from dsd.node.generate import plan_hops
+    from dsd.node.routing import survey
+
+    view = await survey(node, model_id, num_layers)
+    if view.plan is None:
+        assert view.error is not None
+        raise view.error
+    return plan_hops(view.plan)
+
+
+async def run_generation(node: Any, legs: Any, setup: Any, prompt: Sequence[int], cfg: Any, hops: list[Any],
+                         tokenizer: Any = None) -> dict[str, Any]:
+    """One generation over `hops` (node.generate.generate_once) plus the per-round counts the report derives.
+
+    The engine's report gives rounds, mean accepted and acceptance rate; every round after the
+    prefill carries drafts in the speculative modes, so drafted and accepted follow from them.
+    """
+    from dsd.node.generate import generate_once
+
+    report = await generate_once(node, legs, setup, prompt, cfg, hops=hops,
+                                 tokenizer=tokenizer if cfg.stop_strings else None)
+    draft_rounds = max(0, report["rounds"] - 1) if cfg.mode != "ar" else 0
+    accepted = report["mean_accepted"] * draft_rounds
+    rate = report["acceptance_rate"]
+    report.update(
+        draft_rounds=draft_rounds,
+        accepted=round(accepted, 3),
+        drafted=round(accepted / rate, 3) if rate > 0 else float(draft_rounds),
+    )
+    return report
