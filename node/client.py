@@ -143,12 +143,12 @@ class RouteSession:
             self._nursery = await self._own_nursery_cm.__aenter__()
         try:
             await self._open()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  (re-raised below, after the nursery is closed)
             self._watch_scope.cancel()
             self.legs.forget(self.id)
             if self._own_nursery_cm is not None:
-                await self._own_nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+                await self._own_nursery_cm.__aexit__(None, None, None)
+            raise exc
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
@@ -219,7 +219,8 @@ class RouteSession:
             raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=named[-1] if named else None)
         return item
 
-    async def _send(self, msg: Message) -> None:
+    async def send_message(self, msg: Message) -> None:
+        """Send any message on the session's first stream (windows normally go through `send_window`)."""
         assert self._stream is not None
         try:
             self.traffic.sent += await self._stream.send(msg)
@@ -228,7 +229,7 @@ class RouteSession:
 
     async def send_window(self, hidden: np.ndarray, *, start: int, commit: int | None, epoch: int = 0) -> None:
         """Send hidden states [tokens, hidden] at positions start.. down the route (does not wait)."""
-        await self._send(Forward(self.id, epoch, start, commit, self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))))
+        await self.send_message(Forward(self.id, epoch, start, commit, self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))))
 
     async def receive_result(self, *, epoch: int = 0, timeout: float = 120.0) -> tuple[int, np.ndarray]:
         """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden])."""
@@ -251,7 +252,7 @@ class RouteSession:
 
     async def truncate(self, length: int, *, timeout: float = 60.0) -> int:
         """Drop every peer's KV entries at positions >= length; returns the length the last peer reports."""
-        await self._send(Truncate(self.id, length))
+        await self.send_message(Truncate(self.id, length))
         try:
             with trio.fail_after(timeout):
                 while True:

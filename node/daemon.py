@@ -175,7 +175,11 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
                 async for signum in signals:
                     log.warning("received %s: shutting down", signal.Signals(signum).name)
                     break
+            # Stop announcing first so heads re-plan around us, then end sessions with an error frame.
             with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
                 if announcer is not None:
                     await announcer.stop()
+            if server is not None:
+                await server.shutdown(SHUTDOWN_DEADLINE_S / 2)
+            log.warning("shut down cleanly")
             nursery.cancel_scope.cancel()

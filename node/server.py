@@ -62,7 +62,9 @@ class Session:
     downstream: FramedStream
     last_hop: bool
     next_peer: str = ""
+    remote: str = ""
     epoch: int = 0
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
 
@@ -93,6 +95,7 @@ class BlockServer:
         self.reserved_tokens = 0
         self._compute = trio.CapacityLimiter(1)
         self.windows_served = 0
+        self.closing = False
 
     # --- accounting -------------------------------------------------------
 
@@ -124,9 +127,9 @@ class BlockServer:
     # --- protocol ---------------------------------------------------------
 
     async def serve(self, upstream: FramedStream, remote: str, first: OpenSession) -> None:
-        """Run one session from its `OpenSession` until close, error, idle timeout or EOF."""
+        """Run one session from its `OpenSession` until close, error, idle timeout, EOF or shutdown."""
         try:
-            session = await self._open(first)
+            session = await self._open(first, remote)
         except SessionError as exc:
             log.info("refused session %s from %s: %s", first.session, remote, exc.message)
             await _send_quietly(upstream, Error(exc.code, exc.message, first.session))
@@ -139,11 +142,19 @@ class BlockServer:
                     nursery.start_soon(self._relay_back, session, upstream)
                 try:
                     await upstream.send(Ack(session.id, 0))
-                    await self._session_loop(session, upstream)
+                    with session.scope:
+                        await self._session_loop(session, upstream)
+                    if session.scope.cancelled_caught:
+                        await _send_quietly(
+                            upstream, Error("shutting_down", f"{self.node.peer_id}: peer shutting down", session.id)
+                        )
                 except SessionError as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
                     await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc.message}", session.id))
-                except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                except ProtocolError as exc:
+                    log.info("session %s: bad frame from upstream: %s", session.id, exc)
+                    await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc}", session.id))
+                except (EOFError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
                 except Exception as exc:
                     log.exception("session %s failed", session.id)
@@ -155,7 +166,9 @@ class BlockServer:
             await _close_quietly(session.downstream)
             await _close_quietly(upstream)
 
-    async def _open(self, msg: OpenSession) -> Session:
+    async def _open(self, msg: OpenSession, remote: str) -> Session:
+        if self.closing:
+            raise SessionError("shutting_down", "this peer is shutting down")
         if msg.model != self.model_id:
             raise SessionError("bad_request", f"this peer serves model {self.model_id!r}, not {msg.model!r}")
         if not self.start <= msg.start < msg.end <= self.end:
@@ -171,6 +184,8 @@ class BlockServer:
             raise SessionError("limit", f"max_len {msg.max_len} exceeds this peer's limit {self.limits.max_len}")
         if len(self.sessions) >= self.limits.max_sessions:
             raise SessionError("busy", f"session limit reached ({self.limits.max_sessions})")
+        if sum(1 for s in self.sessions.values() if s.remote == remote) >= self.limits.max_sessions_per_peer:
+            raise SessionError("busy", f"per-peer session limit reached ({self.limits.max_sessions_per_peer})")
         if msg.max_len > self.cache_tokens_left:
             raise SessionError("busy", f"KV budget exhausted: {self.cache_tokens_left} tokens left, {msg.max_len} asked")
         nxt: Hop = msg.route[0]
@@ -199,7 +214,7 @@ class BlockServer:
             self.reserved_tokens -= msg.max_len
             raise SessionError("unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}") from exc
         span = self._span_for(msg.start, msg.end)
-        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop, nxt.peer_id)
+        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop, nxt.peer_id, remote)
         self.sessions[key] = session
         return session
 
@@ -208,6 +223,18 @@ class BlockServer:
         if (start, end) not in self._subspans:
             self._subspans[(start, end)] = self.span.sub(start, end)
         return self._subspans[(start, end)]
+
+    async def shutdown(self, deadline_s: float) -> None:
+        """Refuse new sessions, let windows being computed finish, then end every session with an error."""
+        self.closing = True
+        with trio.move_on_after(deadline_s):
+            async with self._compute:  # waits for the window in the worker thread, if any
+                pass
+        for session in list(self.sessions.values()):
+            session.scope.cancel()
+        with trio.move_on_after(min(5.0, deadline_s)):
+            while self.sessions:
+                await trio.sleep(0.05)
 
     def _release(self, session: Session) -> None:
         if self.sessions.pop((session.id, session.span.start), None) is not None:
@@ -276,6 +303,8 @@ class BlockServer:
             hidden = decode_tensor(msg.hidden)
         except ProtocolError as exc:
             raise SessionError("bad_tensor", str(exc)) from exc
+        if hidden.dtype.kind != "f":
+            raise SessionError("bad_tensor", f"hidden states must be floating point, got {hidden.dtype}")
         if hidden.ndim == 3 and hidden.shape[0] == 1:
             hidden = hidden[0]
         if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size:

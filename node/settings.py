@@ -15,6 +15,7 @@ class ServerLimits:
     """What one block peer grants to the swarm; every limit is enforced per request."""
 
     max_sessions: int = 32
+    max_sessions_per_peer: int = 8
     kv_budget_tokens: int = 32768
     max_len: int = 4096
     max_window: int = 256

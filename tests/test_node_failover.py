@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from dsd.node.drafters import NgramDrafter
 from dsd.node.failover import RouteKeeper
 from dsd.node.head import GenerationConfig, HeadEngine
 from dsd.node.headnode import head_node
+from dsd.node.testnet import pid_alive
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -57,8 +59,8 @@ def pid_of(testnet: dict, peer_id: str) -> int:
     return next(p["pid"] for p in testnet["peers"] if p["peer_id"] == peer_id)
 
 
-async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]):
-    """Generate greedily; after the given numbers of tokens, SIGKILL the route's hop at the given position."""
+async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str], sig: int = signal.SIGKILL):
+    """Generate greedily; after the given numbers of tokens, signal the route's hop at the given position."""
     head = store.load_head()
     killed: list[str] = []
     async with head_node([testnet["bootstrap"]]) as (node, legs):
@@ -75,7 +77,7 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
                         del kill_after[threshold]
                         hops = keeper.session.hops
                         victim = hops[0] if which == "first" else hops[-1]
-                        os.kill(pid_of(testnet, victim.peer_id), signal.SIGKILL)
+                        os.kill(pid_of(testnet, victim.peer_id), sig)
                         killed.append(victim.peer_id)
 
             try:
@@ -83,6 +85,21 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
             except NoRouteError as exc:
                 return None, exc, engine.progress, keeper.events, killed
             return result, None, engine.progress, keeper.events, killed
+
+
+def test_sigterm_mid_generation_fails_over_and_the_peer_exits_cleanly(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    result, error, _, events, stopped = trio.run(run_with_kills, replicated, store, {12: "first"}, signal.SIGTERM)
+    assert error is None, error
+    assert result.tokens == expected
+    assert len(events) == 1 and events[0].blamed == stopped
+    peer = next(p for p in replicated["peers"] if p["peer_id"] == stopped[0])
+    deadline = time.monotonic() + 20
+    while pid_alive(peer["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(peer["pid"])
+    log = Path(peer["log"]).read_text()
+    assert "received SIGTERM" in log and "shut down cleanly" in log
 
 
 def test_killed_peer_is_replaced_and_output_is_unchanged(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:

@@ -1,0 +1,222 @@
+"""Hostile input against a live block peer: every bad stream gets an Error frame or a closed stream,
+the daemon stays up with bounded memory, and a well-behaved session afterwards is still exact.
+Also: a peer with an allow-list refuses strangers; SIGTERM shuts a peer down cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import trio
+from transformers import AutoModelForCausalLM
+
+from dsd.node.client import RouteError, RouteSession
+from dsd.node.headnode import head_node
+from dsd.node.server import INFER_PROTOCOL
+from dsd.node.testnet import pid_alive, spawn, stop_processes, wait_ready
+from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, ProtocolError, encode, encode_tensor
+from dsd.protocol import Forward as Fwd
+from dsd.shard_store import Store
+
+pytestmark = pytest.mark.network
+
+MODEL = "tiny-qwen2"
+MAX_SESSIONS = 6
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def peer(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A bootstrap node and one peer serving all 5 layers with small limits."""
+    state = tmp_path_factory.mktemp("hostile")
+    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state / "boot.key"),
+                               "--ready-file", str(state / "boot.json")], state)
+    procs = [boot]
+    try:
+        binfo = wait_ready(state / "boot.json", boot, 120)
+        p = spawn("peer", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
+                           "--bootstrap", binfo["addrs"][0], "--identity", str(state / "peer.key"),
+                           "--ready-file", str(state / "peer.json"), "--threads", "1",
+                           "--max-sessions", str(MAX_SESSIONS), "--max-len", "64", "--idle-timeout", "30"], state)
+        procs.append(p)
+        info = wait_ready(state / "peer.json", p, 120)
+        yield {"bootstrap": binfo["addrs"][0], "peer_id": info["peer_id"], "addrs": info["addrs"], "pid": p.pid,
+               "log": p.log, "state": state}
+    finally:
+        stop_processes([x.pid for x in reversed(procs)])
+
+
+async def raw_exchange(node, peer: dict, data: bytes, *, close_write: bool = True) -> list:
+    """Write raw bytes on a fresh infer stream; return the frames answered before the stream closed."""
+    stream = await node.open_raw(peer["peer_id"], peer["addrs"], INFER_PROTOCOL)
+    decoder = FrameDecoder()
+    got: list = []
+    with trio.fail_after(20):
+        await stream.write(data)
+        if close_write:
+            try:
+                await stream.close_write()
+            except Exception:
+                pass
+        while True:
+            try:
+                chunk = await stream.read(65536)
+            except Exception:
+                break
+            if not chunk:
+                break
+            got.extend(decoder.feed(chunk))
+    return got
+
+
+def assert_refused(frames: list) -> None:
+    """An Error frame, or nothing at all (the peer just closed the stream)."""
+    assert all(isinstance(f, Error) for f in frames), frames
+    assert len(frames) <= 1
+
+
+def long_route_open(peer_id: str) -> bytes:
+    """An OpenSession whose route has 40 hops (the limit is 32): built by hand, as a hostile client would."""
+    body = msgpack.unpackb(encode(OpenSession("s", MODEL, 0, 5, 32, (Hop(peer_id, ("/ip4/127.0.0.1/tcp/1",), 0, 0),)))[4:])
+    body["route"] = body["route"] * 40
+    raw = msgpack.packb(body)
+    return len(raw).to_bytes(4, "big") + raw
+
+
+def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny_qwen2_root: Path) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+    hops = [Hop(peer["peer_id"], tuple(peer["addrs"]), 0, 5)]
+    outcomes: dict[str, str] = {}
+    rss_before = rss_kib(peer["pid"])
+
+    def embed(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return head.embed(torch.tensor([ids]))[0].numpy()
+
+    async def bad_window(node, legs, label: str, send) -> None:
+        async with RouteSession(node, legs, hops, model=MODEL, max_len=32) as session:
+            with pytest.raises(RouteError) as info:
+                await send(session)
+                await session.receive_result(timeout=20)
+            outcomes[label] = f"Error {info.value.code}: {info.value}"
+
+    async def main() -> None:
+        async with head_node([peer["bootstrap"]]) as (node, legs):
+            rng = np.random.default_rng(0)
+            raw_cases = {
+                "garbage bytes": rng.bytes(256),
+                "garbage msgpack body": (16).to_bytes(4, "big") + rng.bytes(16),
+                "truncated frame": encode(OpenSession("t", MODEL, 0, 5, 16, tuple(hops)))[:20],
+                "4 GiB length header": b"\xff\xff\xff\xff" + b"x" * 16,
+                "Forward before OpenSession": encode(Fwd("nope", 0, 0, 0, encode_tensor(np.zeros((1, 64), np.float32), "raw"))),
+                "route longer than the limit": long_route_open(node.peer_id),
+            }
+            for label, data in raw_cases.items():
+                frames = await raw_exchange(node, peer, data)
+                assert_refused(frames)
+                outcomes[label] = f"Error {frames[0].code}: {frames[0].message}" if frames else "stream closed"
+            assert outcomes["Forward before OpenSession"].startswith("Error bad_request")
+            assert outcomes["4 GiB length header"].startswith("Error")
+
+            await bad_window(node, legs, "wrong shape", lambda s: s.send_window(np.zeros((3, 17), np.float32), start=0, commit=0))
+            await bad_window(node, legs, "wrong dtype", lambda s: s.send_message(
+                Fwd(s.id, 0, 0, 0, encode_tensor(np.zeros((2, 64), np.int32), "raw"))))
+            nan = embed([1, 2, 3])
+            nan[1, 5] = np.nan
+            await bad_window(node, legs, "NaN in hidden states", lambda s: s.send_window(nan, start=0, commit=0))
+            await bad_window(node, legs, "position past max_len", lambda s: s.send_window(embed(list(range(3, 40))), start=0, commit=0))
+            await bad_window(node, legs, "unknown session", lambda s: s.send_message(
+                Fwd("someone-else", 0, 0, 0, encode_tensor(embed([1]), "raw"))))
+            await bad_window(node, legs, "start beyond the cache", lambda s: s.send_window(embed([1, 2]), start=7, commit=None))
+            for label in ("wrong shape", "wrong dtype", "NaN in hidden states"):
+                assert "bad_tensor" in outcomes[label], outcomes[label]
+            assert "limit" in outcomes["position past max_len"]
+            assert "unknown_session" in outcomes["unknown session"]
+
+            # A flood of session opens: the first MAX_SESSIONS succeed, the rest are refused as busy.
+            sessions = []
+            refused = 0
+            async with trio.open_nursery() as nursery:
+                for _ in range(MAX_SESSIONS + 4):
+                    s = RouteSession(node, legs, hops, model=MODEL, max_len=8, nursery=nursery)
+                    try:
+                        await s.__aenter__()
+                        sessions.append(s)
+                    except RouteError as exc:
+                        assert exc.code == "busy", exc
+                        refused += 1
+                assert len(sessions) == MAX_SESSIONS and refused == 4
+                outcomes["flood of session opens"] = f"{MAX_SESSIONS} opened, {refused} refused busy"
+                for s in sessions:
+                    await s.__aexit__(None, None, None)
+            await trio.sleep(0.5)
+
+            # Afterwards a well-behaved session is still exact.
+            ids = [1, 17, 42, 99, 5, 6, 7]
+            async with RouteSession(node, legs, hops, model=MODEL, max_len=32) as session:
+                out = await session.forward(embed(ids), start=0, commit=0)
+            with torch.no_grad():
+                got = head.logits(torch.from_numpy(out).unsqueeze(0))[0]
+                want = reference(input_ids=torch.tensor([ids])).logits[0]
+            assert torch.allclose(got, want, atol=1e-4)
+
+    trio.run(main)
+    assert pid_alive(peer["pid"])
+    rss_after = rss_kib(peer["pid"])
+    print("\nhostile outcomes:")
+    for label, what in outcomes.items():
+        print(f"  {label}: {what}")
+    print(f"peer RSS before {rss_before} KiB, after {rss_after} KiB")
+    assert rss_after - rss_before < 150_000, (rss_before, rss_after)
+
+
+def test_allow_list_refuses_strangers(tiny_qwen2_root: Path, tmp_path: Path) -> None:
+    allow = tmp_path / "allow.txt"
+    allow.write_text("# only this friend\n12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK\n")
+    p = spawn("private", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
+                          "--identity", str(tmp_path / "k.key"), "--ready-file", str(tmp_path / "r.json"),
+                          "--threads", "1", "--allow-peers", str(allow)], tmp_path)
+    try:
+        info = wait_ready(tmp_path / "r.json", p, 120)
+        hops = [Hop(info["peer_id"], tuple(info["addrs"]), 0, 5)]
+
+        async def main() -> None:
+            async with head_node([], None) as (node, legs):
+                with pytest.raises(RouteError):
+                    async with RouteSession(node, legs, hops, model=MODEL, max_len=16, open_timeout_s=20):
+                        pass
+
+        trio.run(main)
+        assert pid_alive(p.pid)
+    finally:
+        stop_processes([p.pid])
+
+
+def test_sigterm_shuts_down_cleanly(peer: dict) -> None:
+    """Last in this module: the shared peer is stopped."""
+    t = time.monotonic()
+    os.kill(peer["pid"], signal.SIGTERM)
+    while pid_alive(peer["pid"]) and time.monotonic() - t < 20:
+        time.sleep(0.1)
+    assert not pid_alive(peer["pid"])
+    assert "shut down cleanly" in Path(peer["log"]).read_text()
+
+
+def test_protocol_error_is_the_only_escape() -> None:
+    """Sanity for the decoder the peer uses: an oversized header is a ProtocolError at once."""
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(b"\xff\xff\xff\xff")
