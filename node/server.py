@@ -150,7 +150,11 @@ class BlockServer:
                         )
                 except SessionError as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
-                    await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc.message}", session.id))
+                    # Both ways: upstream relays it to the head, downstream carries it along the ring,
+                    # so the head hears the cause before it sees the return leg close.
+                    error = Error(exc.code, f"{self.node.peer_id}: {exc.message}", session.id)
+                    await _send_quietly(upstream, error)
+                    await _send_quietly(session.downstream, error)
                 except ProtocolError as exc:
                     log.info("session %s: bad frame from upstream: %s", session.id, exc)
                     await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc}", session.id))
@@ -266,6 +270,10 @@ class BlockServer:
                 self._check_session(session, msg.session)
                 self._truncate(session, msg.length)
                 await self._send_down(session, msg if not session.last_hop else Ack(session.id, msg.length))
+            elif isinstance(msg, Error):
+                log.info("session %s: error from upstream passed along: %s", session.id, msg.message)
+                await _send_quietly(session.downstream, msg)
+                return
             elif isinstance(msg, CloseSession):
                 self._check_session(session, msg.session)
                 if not session.last_hop:
