@@ -153,20 +153,23 @@ def cmd_generate_federated(args: argparse.Namespace) -> int:
         sys.stdout.write(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):])
         sys.stdout.flush()
 
-    async def main() -> dict:
+    async def main() -> dict | FederatedError:
         async with head_node(args.bootstrap, link_profile(args), seed=args.seed) as (node, _legs):
-            workers = await find_workers(node, vocab, peer_ids=peer_ids)
-            if not workers:
-                raise FederatedError(f"no live federated worker with a vocabulary of {vocab} tokens")
-            return await generate_federated(
-                node, workers, drafter, prompt, cfg, vocab_size=vocab, top_k=args.topk, weights=weights,
-                method=args.reconstruct, window_timeout_s=args.worker_timeout, tokenizer=tokenizer, on_tokens=on_tokens,
-            )
+            try:
+                workers = await find_workers(node, vocab, peer_ids=peer_ids)
+                if not workers:
+                    raise FederatedError(f"no live federated worker with a vocabulary of {vocab} tokens")
+                return await generate_federated(
+                    node, workers, drafter, prompt, cfg, vocab_size=vocab, top_k=args.topk, weights=weights,
+                    method=args.reconstruct, window_timeout_s=args.worker_timeout, tokenizer=tokenizer,
+                    on_tokens=on_tokens,
+                )
+            except FederatedError as exc:  # returned, so it does not leave the node's nursery as a group
+                return exc
 
-    try:
-        report = trio.run(main)
-    except FederatedError as exc:
-        print(f"\ndsd-node: federated generation failed: {exc}", file=sys.stderr)
+    report = trio.run(main)
+    if isinstance(report, FederatedError):
+        print(f"\ndsd-node: federated generation failed: {report}", file=sys.stderr)
         return 1
     report["text"] = tokenizer.decode(report["tokens"], skip_special_tokens=True) if tokenizer is not None else None
     if args.json:

@@ -544,8 +544,9 @@ class FederatedBackend:
             for link in self.active:
                 self._nursery.start_soon(self._reader, link)
         except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await self._close_all()
             self._nursery.cancel_scope.cancel()
-            await self._close_all()
             await self._nursery_cm.__aexit__(None, None, None)
             raise
         return self
@@ -776,9 +777,15 @@ async def generate_federated(
         node, workers, vocab_size=vocab_size, params=cfg.params, max_len=max_len, top_k=top_k, weights=weights,
         method=method, window_timeout_s=window_timeout_s,
     )
+    failure: FederatedError | None = None
     async with backend:
         engine = HeadEngine(backend, drafter, cfg, tokenizer)
-        result = await engine.generate(prompt, on_tokens=on_tokens)
+        try:
+            result = await engine.generate(prompt, on_tokens=on_tokens)
+        except FederatedError as exc:  # re-raised below, outside the backend's nursery (no exception group)
+            failure = exc
+    if failure is not None:
+        raise failure
     report = result.as_dict()
     report.update(backend.report())
     n = max(1, len(result.tokens))
