@@ -100,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .head import GenerationConfig
     from .headnode import head_node
     from .sampling import SamplingParams
+    from .verify import stream_safe_length
 
     if args.federated:
         from .cmd_workers import cmd_generate_federated
@@ -120,15 +121,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     prompt = encode_prompt(args, tokenizer)
     streamed: list[int] = []
+    printed = 0  # characters of the decoded text already written
 
     def on_tokens(toks: list[int]) -> None:
+        """Stream accepted text; hold back a tail that is an incomplete character or may become a stop string."""
+        nonlocal printed
+        streamed.extend(toks)
         if args.json or tokenizer is None:
             return
-        before = tokenizer.decode(streamed, skip_special_tokens=True)
-        streamed.extend(toks)
-        after = tokenizer.decode(streamed, skip_special_tokens=True)
-        sys.stdout.write(after[len(before):])
-        sys.stdout.flush()
+        text = tokenizer.decode(streamed, skip_special_tokens=True)
+        safe = min(len(text.rstrip("\ufffd")), stream_safe_length(text, cfg.stop_strings))
+        if safe > printed:
+            sys.stdout.write(text[printed:safe])
+            sys.stdout.flush()
+            printed = safe
 
     async def main() -> dict:
         async with head_node(args.bootstrap, link_profile(args), seed=args.seed) as (node, legs):
@@ -151,7 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        sys.stdout.write("\n")
+        sys.stdout.write((report["text"] or "")[printed:] + "\n")
         print(
             f"[{report['mode']}] {report['new_tokens']} tokens in {report['elapsed_s']:.2f} s "
             f"({report['tokens_per_s']:.2f} tok/s), {report['rounds']} rounds, "

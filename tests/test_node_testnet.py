@@ -195,6 +195,26 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
     trio.run(main)
 
 
+def test_generate_cli_streams_text_and_reports_json(testnet: dict, tiny_qwen2_root: Path, reference) -> None:
+    store = str(tiny_qwen2_root / "store")
+    prompt = [1, 17, 42, 99, 5, 17, 42, 99]
+    expected = hf_greedy(reference, prompt, 12)
+    common = ["generate", "--bootstrap", testnet["bootstrap"], "--store", store, "--draft", "ngram",
+              "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12", "--mode", "dsd"]
+    out = cli(*common, "--json", timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["tokens"] == expected
+    for key in ("mode", "text", "new_tokens", "elapsed_s", "tokens_per_s", "rounds", "mean_accepted",
+                "acceptance_rate", "bytes_sent", "bytes_received", "route", "time_breakdown", "failovers"):
+        assert key in report, key
+    assert set(report["time_breakdown"]) >= {"drafting_s", "waiting_s", "verifying_s", "drafting_overlapped_s"}
+    plain = cli(*common, timeout=180)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout.strip() == report["text"].strip()
+    assert "tok/s" in plain.stderr
+
+
 def test_killed_peer_leaves_the_dht_and_route_names_missing_blocks(testnet: dict) -> None:
     victim = next(p for p in testnet["peers"] if p["role"] == "block" and (p["start"], p["end"]) == (2, 4))
     os.kill(victim["pid"], signal.SIGKILL)
@@ -213,3 +233,21 @@ def test_killed_peer_leaves_the_dht_and_route_names_missing_blocks(testnet: dict
     assert report["route"] is None
     assert report["missing_blocks"] == [2, 3]
     assert "2" in report["error"] and "3" in report["error"]
+
+
+def test_blocks_auto_fills_the_gap(testnet: dict, tiny_qwen2_root: Path, tmp_path: Path) -> None:
+    """After the kill above, blocks 2-3 are uncovered: a peer started with `--blocks auto` serves them."""
+    from dsd.node.testnet import spawn, stop_processes, wait_ready
+
+    proc = spawn("auto", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "auto", "--num-blocks", "2",
+                          "--bootstrap", testnet["bootstrap"], "--identity", str(tmp_path / "auto.key"),
+                          "--ready-file", str(tmp_path / "auto.json"), "--threads", "1", "--record-ttl", "6"], tmp_path)
+    try:
+        info = wait_ready(tmp_path / "auto.json", proc, 120)
+        assert (info["start"], info["end"]) == (2, 4)
+        out = cli("route", "--bootstrap", testnet["bootstrap"], "--model", MODEL, "--num-layers", "5", "--json", timeout=120)
+        report = json.loads(out.stdout)
+        assert out.returncode == 0 and report["missing_blocks"] == []
+        assert info["peer_id"] in [h["peer_id"] for h in report["route"]["hops"]]
+    finally:
+        stop_processes([proc.pid])
