@@ -6,7 +6,7 @@ layers), starts a testnet with one-way latency t1 = ratio·t0, and for each prom
 turn on the same route (interleaved, so ratios stay fair on a noisy machine). Results go to
 bench/results/<name>-<date>.json (resumable: finished settings are skipped), .md and .png.
 
-    python bench/dsd_sweep.py --quick                 # N=4, t1/t0=5, 2 short prompts, 48 tokens
+    python bench/dsd_sweep.py --quick                 # N=4, t1/t0=5, 2 short prompts, 40 tokens
     python bench/dsd_sweep.py                         # N in {3,4,8} x t1/t0 in {3,5,10}: hours
     python bench/dsd_sweep.py --models tiny --quick   # tiny random target drafting for itself
 """
@@ -39,7 +39,7 @@ from harness import (
 MODES = ("ar", "sd", "dsd", "dsd-adaptive")
 # HumanEval's usual stop sequences: a new top-level block ends the completion.
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
-# --quick uses two problems whose reference solutions are one line, so 48 tokens can finish them.
+# --quick uses two problems whose reference solutions are one line, so 40 tokens can finish them.
 QUICK_PROBLEMS = (2, 7)
 STEP_WINDOWS = (1, 2, 4, 8, 16)
 
@@ -456,7 +456,7 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="N=4, t1/t0=5, problems 2 and 7, 48 new tokens")
+    p.add_argument("--quick", action="store_true", help="N=4, t1/t0=5, problems 2 and 7, 40 new tokens")
     p.add_argument("--models", choices=("real", "tiny"), default="real",
                    help="real: Qwen2.5-Coder 1.5B target, 0.5B draft; tiny: random 8-layer target drafting for itself")
     p.add_argument("--peers", default="3,4,8", help="comma-separated N values (default 3,4,8)")
@@ -477,7 +477,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.problems is None:
             args.problems = ",".join(str(i) for i in QUICK_PROBLEMS)
         if args.max_new_tokens == 128:
-            args.max_new_tokens = 48
+            args.max_new_tokens = 40
     try:
         args.peers = [int(x) for x in str(args.peers).split(",") if x.strip()]
         args.ratios = [float(x) for x in str(args.ratios).split(",") if x.strip()]
