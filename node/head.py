@@ -58,7 +58,7 @@ class GenerationConfig:
     params: SamplingParams = field(default_factory=SamplingParams)
     gamma: int | None = None  # fixed window size; None adapts
     gamma_max: int = 16
-    tau_max: float = 0.0
+    tau_max: float = 0.3  # dsd-adaptive only; 0 is lossless
     seed: int = 0
     eos_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()

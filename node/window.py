@@ -3,13 +3,16 @@
 Model (per round, i.i.d. acceptance α per draft token, estimated online):
 
     E(γ)  = (1 − α^{γ+1}) / (1 − α)          expected tokens emitted per round
-    T(γ)  = max(R, γ·d)        (overlap=True:  DSD drafts the next window while this one flies)
-          = R + γ·d            (overlap=False: draft-then-wait speculative decoding)
+    T(γ)  = max(R(γ), γ·d)     (overlap=True:  DSD drafts the next window while this one flies)
+          = R(γ) + γ·d         (overlap=False: draft-then-wait speculative decoding)
+    R(γ)  = a + b·(γ+1)        round time of a window of γ+1 tokens: a = links, b = the peers'
+                               per-token verification compute (large on CPUs, ~0 on GPUs)
     γ*    = argmax_{γ_min ≤ γ ≤ min(γ_max, γ_use)} E(γ) / T(γ)     (smallest γ on ties)
     γ_use = smallest γ with α^γ < θ            (deeper tokens are almost never reached)
 
-R = measured round time of a window, d = measured drafting time per token,
-both EWMAs; α = EWMA(accepted) / EWMA(trials), where a round with k accepted
+a and b are a least-squares fit over the last rounds' (tokens, round time)
+pairs (b clamped to [0, mean R / mean tokens]; b = 0 until the window sizes
+seen vary), d = measured drafting time per token (EWMA); α = EWMA(accepted) / EWMA(trials), where a round with k accepted
 out of γ counts k successes in k trials plus one failed trial if k < γ (the
 truncated-geometric MLE); θ = `useful_threshold` (0.05). R should be the time
 from sending a window to having its target logits (network + peers' compute).
@@ -20,6 +23,7 @@ Before any observation γ = `initial` (clamped into the bounds); a fixed
 from __future__ import annotations
 
 import math
+from collections import deque
 
 __all__ = ["WindowController"]
 
@@ -63,6 +67,7 @@ class WindowController:
         self._trials = prior_weight
         self._draft_s: float | None = None
         self._round_s: float | None = None
+        self._rounds: deque[tuple[int, float]] = deque(maxlen=16)  # (window tokens, round seconds)
 
     @property
     def alpha(self) -> float:
@@ -104,9 +109,26 @@ class WindowController:
                 self.decay * self._draft_s + w * draft_s_per_token
             )
         self._round_s = round_s if self._round_s is None else self.decay * self._round_s + w * round_s
+        self._rounds.append((gamma + 1, round_s))
+
+    def round_model(self) -> tuple[float, float]:
+        """(a, b) of R(γ) = a + b·(γ+1), fitted on recent rounds; b = 0 while window sizes have not varied."""
+        r = self._round_s or 0.0
+        if len(self._rounds) < 3:
+            return r, 0.0
+        xs = [float(n) for n, _ in self._rounds]
+        ys = [t for _, t in self._rounds]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var < 1.0:
+            return r, 0.0
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        slope = min(max(slope, 0.0), my / mx)
+        return max(my - slope * mx, 0.0), slope
 
     def _round_time(self, gamma: int) -> float:
-        r = self._round_s or 0.0
+        a, b = self.round_model()
+        r = a + b * (gamma + 1) if b > 0 else (self._round_s or 0.0)
         d = self._draft_s or 0.0
         return max(r, gamma * d) if self.overlap else r + gamma * d
 

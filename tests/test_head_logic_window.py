@@ -105,3 +105,16 @@ def test_bad_observations_are_refused() -> None:
         wc.observe(gamma=3, accepted=4, draft_s_per_token=0.1, round_s=0.1)
     with pytest.raises(ValueError, match="round_s"):
         wc.observe(gamma=3, accepted=1, draft_s_per_token=0.1, round_s=float("nan"))
+
+
+def test_window_shrinks_when_verification_compute_grows_with_the_window() -> None:
+    """On CPU peers a window's round time grows with its size; the fitted R(γ) = a + b·(γ+1)
+    must pull γ below what a size-independent round time would choose."""
+    flat, sloped = WindowController(gamma_max=16), WindowController(gamma_max=16)
+    for g in (2, 4, 8, 12, 6, 10, 3, 9):
+        flat.observe(gamma=g, accepted=int(0.75 * g), draft_s_per_token=0.05, round_s=2.0)
+        sloped.observe(gamma=g, accepted=int(0.75 * g), draft_s_per_token=0.05, round_s=1.0 + 0.4 * (g + 1))
+    a, b = sloped.round_model()
+    assert a == pytest.approx(1.0, abs=1e-6) and b == pytest.approx(0.4, abs=1e-6)
+    assert flat.round_model()[1] == pytest.approx(0.0)
+    assert sloped.next_gamma() < flat.next_gamma()
