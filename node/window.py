@@ -3,7 +3,9 @@
 Model (per round, i.i.d. acceptance α per draft token, estimated online):
 
     E(γ)  = (1 − α^{γ+1}) / (1 − α)          expected tokens emitted per round
-    T(γ)  = max(R(γ), γ·d)     (overlap=True:  DSD drafts the next window while this one flies)
+    T(γ)  = P·max(R(γ), γ·d) + (1 − P)·(R(γ) + γ·d)   (overlap=True: DSD drafts the next window
+                               while this one flies; that draft is only usable when the whole window
+                               and the guessed bonus token are accepted, P = α^{γ+1})
           = R(γ) + γ·d         (overlap=False: draft-then-wait speculative decoding)
     R(γ)  = a + b·(γ+1)        round time of a window of γ+1 tokens: a = links, b = the peers'
                                per-token verification compute (large on CPUs, ~0 on GPUs)
@@ -130,7 +132,10 @@ class WindowController:
         a, b = self.round_model()
         r = a + b * (gamma + 1) if b > 0 else (self._round_s or 0.0)
         d = self._draft_s or 0.0
-        return max(r, gamma * d) if self.overlap else r + gamma * d
+        if not self.overlap:
+            return r + gamma * d
+        p_hidden = self.alpha ** (gamma + 1)
+        return p_hidden * max(r, gamma * d) + (1.0 - p_hidden) * (r + gamma * d)
 
     def next_gamma(self) -> int:
         """γ for the next window (the fixed override if one was given)."""

@@ -45,15 +45,38 @@ def test_shrinks_when_acceptance_is_low() -> None:
     assert g <= 2 and wc.alpha < 0.1
 
 
-def test_without_overlap_drafting_cost_limits_gamma() -> None:
+def test_overlap_fills_the_trip_and_beats_draft_then_wait() -> None:
+    """When windows are (nearly) always accepted, DSD's drafting hides behind the trip: it picks the
+    window whose drafting just fills the round (0.1 s / 0.01 s per token), and its expected token
+    rate is higher than draft-then-wait's at that controller's own choice."""
     hidden = WindowController(overlap=True)
     waited = WindowController(overlap=False)
     for wc in (hidden, waited):
         for _ in range(30):
             g = wc.next_gamma()
-            # About 80 % of the drafts are accepted.
-            wc.observe(gamma=g, accepted=int(0.8 * g), draft_s_per_token=0.01, round_s=0.1)
-    assert waited.next_gamma() < hidden.next_gamma()
+            wc.observe(gamma=g, accepted=g, draft_s_per_token=0.01, round_s=0.1)
+    assert hidden.next_gamma() == 10
+
+    def rate(wc: WindowController) -> float:
+        g = wc.next_gamma()
+        return wc.expected_tokens(wc.alpha, g) / wc._round_time(g)
+
+    assert rate(hidden) > 1.5 * rate(waited)
+
+
+def test_overlap_only_pays_when_the_whole_window_is_accepted() -> None:
+    """With rejections the pre-drafted window is usually lost: DSD's expected round time approaches
+    draft-then-wait's as the window grows, so it must not pick a longer window than at high acceptance."""
+    lossy = WindowController(overlap=True)
+    for _ in range(30):
+        g = lossy.next_gamma()
+        lossy.observe(gamma=g, accepted=int(0.6 * g), draft_s_per_token=0.01, round_s=0.1)
+    sure = WindowController(overlap=True)
+    for _ in range(30):
+        sure.observe(gamma=sure.next_gamma(), accepted=sure.next_gamma(), draft_s_per_token=0.01, round_s=0.1)
+    assert lossy.next_gamma() < sure.next_gamma()
+    g = 8
+    assert lossy._round_time(g) > max(0.1, g * 0.01)  # the expected cost includes unhidden redrafting
 
 
 def test_always_within_bounds_under_random_measurements() -> None:
