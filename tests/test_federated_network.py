@@ -109,7 +109,15 @@ def run(net: dict, prompt: list[int], cfg: GenerationConfig, **kw):
     async def main():
         async with head_node([net["bootstrap"]]) as (node, _):
             vocab = kw.pop("server_vocab", V)
-            workers = kw.pop("workers", None) or await find_workers(node, V, peer_ids=[net["a"]["peer_id"], net["b"]["peer_id"]])
+            workers = kw.pop("workers", None)
+            with trio.move_on_after(20):  # a worker stopped by an earlier test re-announces within TTL/3
+                while workers is None:
+                    found = {w.peer_id: w for w in await find_workers(node, V)}
+                    if net["a"]["peer_id"] in found and net["b"]["peer_id"] in found:
+                        workers = [found[net["a"]["peer_id"]], found[net["b"]["peer_id"]]]
+                    else:
+                        await trio.sleep(0.5)
+            assert workers is not None, "both workers must be announced"
             try:
                 return await generate_federated(node, workers, drafter(), prompt, cfg, vocab_size=vocab, **kw)
             except FederatedError as exc:  # raised outside the node's nursery, not as an exception group
