@@ -310,7 +310,7 @@ def run_setting(args: argparse.Namespace, peers: int, ratio: float, target: Path
         "key": setting_key(args.models, peers, ratio), "models": args.models, "peers": peers, "ratio": ratio,
         "layers_per_peer": layers, "t0_s": t0, "t0_window_s": {str(k): v for k, v in t0_table.items()},
         "latency_ms": latency_ms, "draft_s_per_token": draft_s, "max_new_tokens": args.max_new_tokens,
-        "tau_max": args.tau_max, "prompts": [],
+        "tau_max": args.tau_max, "prompts": [], "failed_prompts": [],
     }
     # Random tiny models write no code: no stop strings, no pass@1, every run goes to max_new_tokens.
     real = args.models == "real"
@@ -334,7 +334,12 @@ def run_setting(args: argparse.Namespace, peers: int, ratio: float, target: Path
                         mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
                         if mode_setup.drafter is not None:
                             mode_setup.drafter.reset()  # no mode inherits another's draft cache
-                        rep = await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
+                        try:
+                            rep = await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
+                        except Exception as exc:  # e.g. a prompt longer than a peer's window limit
+                            entry["error"] = f"{mode}: {type(exc).__name__}: {exc}"
+                            log(f"  {problem['task_id']:14s} {mode:13s} FAILED {entry['error'][:200]}")
+                            break
                         text = workload.text(rep["tokens"])
                         if text is not None:
                             rep["text"] = text
@@ -345,10 +350,10 @@ def run_setting(args: argparse.Namespace, peers: int, ratio: float, target: Path
                         log(f"  {problem['task_id']:14s} {mode:13s} {rep['new_tokens']:3d} tok "
                             f"{rep['tokens_per_s']:6.2f} tok/s  rounds {rep['rounds']:3d}  k̄ {rep['mean_accepted']:.2f}"
                             + (f"  pass={rep['passed']}" if "passed" in rep else ""))
-                    setting["prompts"].append(entry)
+                    setting["prompts" if "error" not in entry else "failed_prompts"].append(entry)
 
         trio.run(main)
-    setting["summary"] = summarize(setting)
+    setting["summary"] = summarize(setting) if setting["prompts"] else {}
     setting["mismatches"] = [
         {"task_id": p["task_id"], "mode": m}
         for p in setting["prompts"] for m in ("sd", "dsd") if m in p["runs"] and "ar" in p["runs"]
