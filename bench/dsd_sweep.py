@@ -138,6 +138,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
         "mean_accepted": accepted / draft_rounds if draft_rounds else 0.0,
         "mean_gamma": drafted / draft_rounds if draft_rounds else 0.0,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "drafted": drafted,
         "bytes_per_token": (sum(r["bytes_sent"] + r["bytes_received"] for r in runs)) / tokens if tokens else 0.0,
         "head_bytes_sent": sum(r["bytes_sent"] for r in runs),
         "drafting_s": drafting,
@@ -159,10 +160,17 @@ def summarize(setting: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if ar:
         ar_pred = predict("ar", n=n, t1=t1, t0_table=t0_table, head_s=ar["head_compute_per_round_s"],
                           verify_s=ar["verify_per_round_s"], draft_s=0.0, gamma=0.0, k_mean=0.0)
+    # Draft cost per token: from the sd runs when there are any (sd drafts exactly the window, under
+    # the same load as the other modes), else the calibration before the testnet started.
+    draft_s = setting["draft_s_per_token"]
+    sd = agg.get("sd")
+    if sd and sd["drafted"] > 0:
+        draft_s = sd["drafting_s"] / sd["drafted"]
     for m, a in agg.items():
         row: dict[str, Any] = dict(a)
+        row["model_draft_s_per_token"] = draft_s
         pred = predict(m, n=n, t1=t1, t0_table=t0_table, head_s=a["head_compute_per_round_s"],
-                       verify_s=a["verify_per_round_s"], draft_s=setting["draft_s_per_token"],
+                       verify_s=a["verify_per_round_s"], draft_s=draft_s,
                        gamma=a["mean_gamma"], k_mean=a["mean_accepted"])
         row["model"] = pred
         row["model_tokens_per_s"] = 1 / pred["s_per_token"]
@@ -476,6 +484,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-quick][-tiny])")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="testnet state and work directory")
+    p.add_argument("--report-only", action="store_true",
+                   help="recompute summaries, table and plot of --results from its raw runs; run nothing")
     args = p.parse_args(argv)
     if args.quick:
         args.peers, args.ratios = "4", "5"
@@ -512,6 +522,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = stem.with_suffix(".json")
     meta = run_metadata(args.name, args)
     meta["command"] = "python bench/dsd_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.report_only:
+        if not path.exists():
+            raise SystemExit(f"--report-only: no results file {path}")
+        results = json.loads(path.read_text())
+        for s in results["settings_runs"]:
+            s["summary"] = summarize(s) if s["prompts"] else {}
+        write_outputs(results, stem)
+        print(markdown_table(results))
+        return 0
     results: dict[str, Any] = {**meta, "settings_runs": []}
     if path.exists():
         old = json.loads(path.read_text())
