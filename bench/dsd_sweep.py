@@ -440,7 +440,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def attach_federated(results: dict[str, Any]) -> None:
-    """Add the latest federated bench result (bench/results/federated*.json) as a row, if one exists."""
+    """Add the latest federated bench's live run (bench/results/federated*.json, bench/federated.py) as a row."""
     files = sorted(RESULTS_DIR.glob("federated*.json"), key=lambda p: p.stat().st_mtime)
     if not files:
         return
@@ -448,10 +448,19 @@ def attach_federated(results: dict[str, Any]) -> None:
         data = json.loads(files[-1].read_text())
     except (OSError, ValueError):
         return
-    keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "bytes_per_token", "workers", "top_k")
-    flat = {k: v for k, v in (data.get("summary") or data).items() if k in keys and not isinstance(v, dict | list)}
-    results["federated"] = {"source": f"bench/results/{files[-1].name}",
-                            "summary": ", ".join(f"{k} {v}" for k, v in flat.items()) or "see file"}
+    live = data.get("live") or {}
+    keys = ("workers", "top_k", "reconstruct", "new_tokens", "rounds", "acceptance_rate", "uplink_bytes_per_token")
+    flat: dict[str, Any] = {k: live[k] for k in keys if k in live and not isinstance(live[k], dict | list)}
+    if live.get("elapsed_s"):
+        flat["tokens_per_s"] = round(live["new_tokens"] / live["elapsed_s"], 3)
+    models = data.get("models") or {}
+    results["federated"] = {
+        "source": f"bench/results/{files[-1].name}",
+        "models": models,
+        "live": flat,
+        "summary": (", ".join(f"{k} {v}" for k, v in flat.items()) or "no live run in the file")
+        + (f" (models: {', '.join(f'{k} {v}' for k, v in models.items())})" if models else ""),
+    }
 
 
 def write_outputs(results: dict[str, Any], stem: Path) -> None:
