@@ -138,15 +138,13 @@ def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, time
         stop_processes([p.pid for p in reversed(state.peers)])
 
 
-async def plan_once(node: Any, model_id: str, num_layers: int) -> list[Any]:
-    """Survey the swarm once and return the planned route's hops (every run of a setting reuses them)."""
+async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:
+    """Plan a route once (waiting until the head sees a complete one) and return its hops; every run reuses them."""
     from dsd.node.generate import plan_hops
-    from dsd.node.routing import survey
+    from dsd.node.routing import wait_for_route
 
-    view = await survey(node, model_id, num_layers)
-    if view.plan is None:
-        assert view.error is not None
-        raise view.error
+    view = await wait_for_route(node, model_id, num_layers, timeout_s)
+    assert view.plan is not None
     return plan_hops(view.plan)
 
 
