@@ -61,12 +61,18 @@ class RouteBackend:
         await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch)
 
     async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        """Send a window; a long one (a prompt) goes in chunks, all but the last awaited here."""
         self._tokens = self._tokens[:start] + list(tokens)
         self._failure = None
         try:
-            await self._send(tokens, start, commit, epoch)
+            at = start
+            while len(tokens) - (at - start) > self.replay_chunk:
+                await self._send(tokens[at - start : at - start + self.replay_chunk], at, at if at > start else commit, epoch)
+                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+                at += self.replay_chunk
+            await self._send(tokens[at - start :], at, at if at > start else commit, epoch)
         except RouteError as exc:
-            self._failure = exc  # handled in collect(), where the window's result is awaited
+            self._failure = exc  # handled in collect(): fail over, replay everything, re-send the window
 
     async def _replay(self, epoch: int) -> None:
         """Fill a fresh route's caches with every held token; the last chunk's result is the window's."""

@@ -211,13 +211,25 @@ class RouteSession:
     async def _next_message(self) -> Message:
         assert self._inbox is not None
         item = await self._inbox.receive()
+        if isinstance(item, RouteError) and item.code == "route":
+            # A stream ended; the peer that caused it usually sends an Error along the ring
+            # right behind: prefer that, it names the culprit.
+            with trio.move_on_after(1.0):
+                follow = await self._inbox.receive()
+                if isinstance(follow, Error):
+                    item = follow
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, Error):
-            # Peers name themselves (or the next hop they could not reach) in their error messages.
-            named = [h.peer_id for h in self.hops if h.peer_id in item.message]
-            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=named[-1] if named else None)
+            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=self._culprit(item.message))
         return item
+
+    def _culprit(self, message: str) -> str | None:
+        """A peer's error starts with its own id; another hop it names (next hop unreachable,
+        upstream gone) is the one to blame, else the reporter itself."""
+        reporter = next((h.peer_id for h in self.hops if message.startswith(h.peer_id)), None)
+        others = [h.peer_id for h in self.hops if h.peer_id in message and h.peer_id != reporter]
+        return others[0] if others else reporter
 
     async def send_message(self, msg: Message) -> None:
         """Send any message on the session's first stream (windows normally go through `send_window`)."""

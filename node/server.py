@@ -145,9 +145,9 @@ class BlockServer:
                     with session.scope:
                         await self._session_loop(session, upstream)
                     if session.scope.cancelled_caught:
-                        await _send_quietly(
-                            upstream, Error("shutting_down", f"{self.node.peer_id}: peer shutting down", session.id)
-                        )
+                        error = Error("shutting_down", f"{self.node.peer_id}: peer shutting down", session.id)
+                        await _send_quietly(upstream, error)
+                        await _send_quietly(session.downstream, error)
                 except SessionError as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
                     # Both ways: upstream relays it to the head, downstream carries it along the ring,
@@ -160,6 +160,9 @@ class BlockServer:
                     await _send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc}", session.id))
                 except (EOFError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
+                    await _send_quietly(session.downstream, Error(
+                        "unreachable", f"{self.node.peer_id}: upstream {remote} went away ({type(exc).__name__})", session.id
+                    ))
                 except Exception as exc:
                     log.exception("session %s failed", session.id)
                     await _send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id))
@@ -258,10 +261,7 @@ class BlockServer:
     async def _session_loop(self, session: Session, upstream: FramedStream) -> None:
         while True:
             with trio.move_on_after(self.limits.idle_timeout_s) as idle:
-                try:
-                    msg = await upstream.receive()
-                except EOFError:
-                    return
+                msg = await upstream.receive()  # EOF without CloseSession: the upstream went away
             if idle.cancelled_caught:
                 raise SessionError("idle", f"session idle for {self.limits.idle_timeout_s:.0f} s: closed")
             if isinstance(msg, Forward):

@@ -195,6 +195,20 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
     trio.run(main)
 
 
+def test_prompt_longer_than_a_peer_window_is_sent_in_chunks(testnet: dict, tiny_qwen2_root: Path, reference) -> None:
+    """Peers accept at most 256 tokens per window; a 300-token prompt must still work."""
+    store = Store(tiny_qwen2_root / "store")
+    prompt = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = hf_greedy(reference, prompt, 6)
+
+    async def main() -> dict:
+        async with head_node([testnet["bootstrap"]]) as (node, legs):
+            setup = HeadSetup(store.load_head(), MODEL, 5, NgramDrafter())
+            return await generate_once(node, legs, setup, prompt, GenerationConfig(mode="dsd", max_new_tokens=6))
+
+    assert trio.run(main)["tokens"] == expected
+
+
 def test_generate_cli_streams_text_and_reports_json(testnet: dict, tiny_qwen2_root: Path, reference) -> None:
     store = str(tiny_qwen2_root / "store")
     prompt = [1, 17, 42, 99, 5, 17, 42, 99]
