@@ -94,7 +94,9 @@ def two_worker_dists(whole):
 @given(k=st.integers(1, V), t=st.sampled_from([0.5, 1.0, 1.5]), w=st.floats(0.05, 0.95))
 def test_aggregation_bias_is_within_two_mean_eps_and_residual_beats_renormalize(two_worker_dists, k: int, t: float, w: float) -> None:
     """On real model distributions: ||p_hat - p||_1 <= 2 * weighted mean eps, per position, for both
-    reconstructions, and residual redistribution is never worse than renormalisation."""
+    reconstructions, and per worker residual redistribution is never worse than renormalisation.
+    (After averaging, the renormalised errors of different workers can partly cancel, so the
+    aggregate's residual bias is not always the lower one: bench/federated.py measures both.)"""
     dists = two_worker_dists[t]
     weights = [w, 1 - w]
     exact = aggregate(dists, weights)
@@ -103,13 +105,16 @@ def test_aggregation_bias_is_within_two_mean_eps_and_residual_beats_renormalize(
     for wi, d in zip(weights, dists, strict=True):
         ids = np.argsort(-d, axis=1, kind="stable")[:, :k]
         top = np.take_along_axis(d, ids, axis=1)
-        eps_bar += wi * (1 - top.sum(axis=1))
+        eps = 1 - top.sum(axis=1)
+        eps_bar += wi * eps
         for method in rebuilt:
             rebuilt[method].append(reconstruct(ids, top, V, method))
+        local = {m: np.abs(r[-1] - d).sum(axis=1) for m, r in rebuilt.items()}
+        np.testing.assert_allclose(local["renormalize"], 2 * eps, atol=1e-9)
+        assert np.all(local["residual"] <= local["renormalize"] + 1e-12)
     bias = {m: np.abs(aggregate(r, weights) - exact).sum(axis=1) for m, r in rebuilt.items()}
     for m in bias:
         assert np.all(bias[m] <= 2 * eps_bar + 1e-9), m
-    assert np.all(bias["residual"] <= bias["renormalize"] + 1e-12)
 
 
 def _info(peer: str, vocab: int = V) -> WorkerInfo:
