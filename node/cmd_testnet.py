@@ -63,6 +63,32 @@ def wan_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def prepare_state_dir(state_dir: Path) -> Path:
+    """Create the state directory (refusing one whose testnet still runs); returns its empty ready/ folder."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        old = TestnetState.load(state_dir)
+        if any(pid_alive(p.pid) for p in old.peers):
+            raise SystemExit(f"dsd-node: a testnet already runs from {state_dir}; `dsd-node testnet down --state {state_dir}` first")
+    except FileNotFoundError:
+        pass
+    ready_dir = state_dir / "ready"
+    ready_dir.mkdir(exist_ok=True)
+    for f in ready_dir.glob("*.json"):
+        f.unlink()
+    return ready_dir
+
+
+def start_bootstrap(args: argparse.Namespace, state_dir: Path, ready_dir: Path, started: list[PeerProcess]) -> PeerProcess:
+    """Start the bootstrap node (recorded in `started` at once, so a failure still stops it) and wait for it."""
+    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state_dir / "keys" / "bootstrap.key"),
+                               "--ready-file", str(ready_dir / "bootstrap.json"), *wan_args(args)], state_dir)
+    started.append(boot)
+    info = wait_ready(ready_dir / "bootstrap.json", boot, args.timeout)
+    boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+    return boot
+
+
 def bring_up(args: argparse.Namespace) -> TestnetState:
     """Start the processes, wait for a full route, and return the state (stopping everything on failure)."""
     from dsd.shard_store import Store
@@ -72,30 +98,16 @@ def bring_up(args: argparse.Namespace) -> TestnetState:
         return bring_up_federated(args)
     if args.store is None:
         raise SystemExit("dsd-node: testnet up needs --store")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        old = TestnetState.load(state_dir)
-        if any(pid_alive(p.pid) for p in old.peers):
-            raise SystemExit(f"dsd-node: a testnet already runs from {state_dir}; `dsd-node testnet down --state {state_dir}` first")
-    except FileNotFoundError:
-        pass
+    ready_dir = prepare_state_dir(state_dir)
     if args.peers < 1 or args.replicas < 1 or args.peers % args.replicas:
         raise SystemExit("dsd-node: --peers must be a positive multiple of --replicas")
     manifest = Store(args.store).manifest
     num_layers = int(manifest.num_layers)
     spans = even_spans(num_layers, args.peers // args.replicas)
-    ready_dir = state_dir / "ready"
-    ready_dir.mkdir(exist_ok=True)
-    for f in ready_dir.glob("*.json"):
-        f.unlink()
     t0 = time.monotonic()
     started: list[PeerProcess] = []
     try:
-        boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state_dir / "keys" / "bootstrap.key"),
-                                   "--ready-file", str(ready_dir / "bootstrap.json"), *wan_args(args)], state_dir)
-        started.append(boot)
-        info = wait_ready(ready_dir / "bootstrap.json", boot, args.timeout)
-        boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+        boot = start_bootstrap(args, state_dir, ready_dir, started)
         for i in range(args.peers):
             start, end = spans[i // args.replicas]
             name = f"peer{i}"
@@ -140,30 +152,16 @@ def bring_up_federated(args: argparse.Namespace) -> TestnetState:
     from .federated import pool_key
 
     state_dir: Path = args.state
-    state_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        old = TestnetState.load(state_dir)
-        if any(pid_alive(p.pid) for p in old.peers):
-            raise SystemExit(f"dsd-node: a testnet already runs from {state_dir}; `dsd-node testnet down --state {state_dir}` first")
-    except FileNotFoundError:
-        pass
+    ready_dir = prepare_state_dir(state_dir)
     stores = worker_stores(args)
     vocabs = {str(s): int(Store(s).manifest.vocab_size) for s in stores}
     if len(set(vocabs.values())) != 1:
         raise SystemExit(f"dsd-node: federated workers must share the vocabulary, got {vocabs}")
     vocab = next(iter(vocabs.values()))
-    ready_dir = state_dir / "ready"
-    ready_dir.mkdir(exist_ok=True)
-    for f in ready_dir.glob("*.json"):
-        f.unlink()
     t0 = time.monotonic()
     started: list[PeerProcess] = []
     try:
-        boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state_dir / "keys" / "bootstrap.key"),
-                                   "--ready-file", str(ready_dir / "bootstrap.json"), *wan_args(args)], state_dir)
-        started.append(boot)
-        info = wait_ready(ready_dir / "bootstrap.json", boot, args.timeout)
-        boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+        boot = start_bootstrap(args, state_dir, ready_dir, started)
         for i, store in enumerate(stores):
             name = f"worker{i}"
             extra = ["--topk-cap", str(args.topk_cap)] if args.topk_cap else []
