@@ -63,6 +63,8 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
     """Generate greedily; after the given numbers of tokens, signal the route's hop at the given position."""
     head = store.load_head()
     killed: list[str] = []
+    killed_at: list[float] = []
+    gaps: list[float] = []  # seconds from a kill to the next accepted tokens
     async with head_node([testnet["bootstrap"]]) as (node, legs):
         async with RouteKeeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
             engine = HeadEngine(RouteBackend(head, keeper, timeout_s=60), NgramDrafter(),
@@ -72,18 +74,24 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
             def on_tokens(toks: list[int]) -> None:
                 nonlocal produced
                 produced += len(toks)
+                if killed and len(gaps) < len(killed):
+                    gaps.append(time.monotonic() - killed_at[-1])
                 for threshold, which in list(kill_after.items()):
                     if produced >= threshold:
                         del kill_after[threshold]
                         hops = keeper.session.hops
                         victim = hops[0] if which == "first" else hops[-1]
                         os.kill(pid_of(testnet, victim.peer_id), sig)
+                        killed_at.append(time.monotonic())
                         killed.append(victim.peer_id)
 
             try:
                 result = await engine.generate(PROMPT, on_tokens=on_tokens)
             except NoRouteError as exc:
                 return None, exc, engine.progress, keeper.events, killed
+            for event, gap in zip(keeper.events, gaps, strict=False):
+                print(f"\nfailover: blamed {event.blamed[0][-8:]}, new route in {event.seconds:.2f} s, "
+                      f"signal to next tokens {gap:.2f} s")
             return result, None, engine.progress, keeper.events, killed
 
 
