@@ -133,12 +133,19 @@ class P2PNode:
         self.wrap_incoming = wrap_incoming
         self.allow_peers = None if allow_peers is None else set(allow_peers)
         self.require_bootstrap = require_bootstrap
-        self.store = RecordStore(key_for_model=record_key)
+        self.store = RecordStore(key_for_model=record_key, allow_signers=self._allowed_signers())
         self.host: Any = None
         self.dht: KadDHT | None = None
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
+
+    def _allowed_signers(self) -> set[str] | None:
+        """In a private swarm, records signed by anyone but the allowed peers (and us) are refused."""
+        return None if self.allow_peers is None else self.allow_peers | {self.peer_id}
+
+    def accepts_record_of(self, peer_id: str) -> bool:
+        return self.allow_peers is None or peer_id in self.allow_peers or peer_id == self.peer_id
 
     # --- lifecycle ------------------------------------------------------------
 

@@ -82,9 +82,10 @@ def check_blobs(blobs: object, limit: int) -> list[bytes]:
 class RecordStore:
     """Local (key, peer id) -> newest signed record, dropped once expired; bounded in keys and records."""
 
-    def __init__(self, key_for_model: Any = None) -> None:
+    def __init__(self, key_for_model: Any = None, allow_signers: set[str] | None = None) -> None:
         self._data: dict[bytes, dict[str, tuple[PeerRecord, bytes]]] = {}
         self._key_for_model = key_for_model
+        self._allow = allow_signers  # private swarm: only records signed by these peers are kept
 
     def put(self, key: bytes, blob: bytes, now: float | None = None) -> bool:
         """Store one signed record if it verifies, belongs under `key` and is newer; returns whether kept."""
@@ -94,6 +95,8 @@ class RecordStore:
         except RecordError:
             return False
         if self._key_for_model is not None and self._key_for_model(rec.model) != key:
+            return False
+        if self._allow is not None and rec.peer_id not in self._allow:
             return False
         if rec.expires > now + MAX_TTL_S + CLOCK_SKEW_S or rec.issued > now + CLOCK_SKEW_S:
             return False

@@ -336,5 +336,8 @@ async def fetch_records(node: P2PNode, model: str, num_layers: int) -> list[Peer
             continue
         if rec.model != model or (num_layers > 0 and rec.end > num_layers):
             continue
+        if not node.accepts_record_of(rec.peer_id):
+            log.debug("dropping record of %s: not in this private swarm's allow list", rec.peer_id)
+            continue
         recs.append(rec)
     return newest_live(recs)

@@ -234,3 +234,21 @@ def test_allow_peers_resets_a_strangers_stream() -> None:
                         await measure_rtt(stranger, guarded.peer_id, guarded.addrs, timeout=3.0)
 
     trio.run(main)
+
+
+def test_private_swarm_store_keeps_only_allowed_signers() -> None:
+    friend, stranger = create_new_key_pair(), create_new_key_pair()
+    from dsd.discovery.identity import peer_id_of
+
+    now = time.time()
+
+    def signed(kp) -> bytes:
+        rec = PeerRecord(peer_id_of(kp), ("/ip4/127.0.0.1/tcp/4001",), MODEL, 0, 4, throughput=1.0,
+                         expires=now + 30, issued=now)
+        return sign_record(rec, kp)
+
+    store = RecordStore(key_for_model=record_key, allow_signers={peer_id_of(friend)})
+    theirs, ours = signed(stranger), signed(friend)
+    assert not store.put(record_key(MODEL), theirs)
+    assert store.put(record_key(MODEL), ours)
+    assert store.get(record_key(MODEL)) == [ours]
