@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     role.add_argument("--store", type=Path, help="model store to serve layers from (see `dsd-node convert`)")
     role.add_argument("--bootstrap-only", action="store_true", help="serve only the DHT, as a bootstrap node")
     p.add_argument("--blocks", default="auto", help="layers to serve, START:END (half-open) or auto (least-covered span; default)")
-    p.add_argument("--num-blocks", type=int, default=None, help="with --blocks auto: how many layers to serve (default: all)")
+    p.add_argument("--num-blocks", type=int, default=None, help="with --blocks auto: how many layers to serve (default: what --memory-gb allows, else all)")
+    p.add_argument("--memory-gb", type=float, default=None, help="with --blocks auto: weight memory this peer may use; picks how many layers to serve")
     p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help="listen address (default /ip4/127.0.0.1/tcp/0)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="a peer to join the swarm through (repeatable)")
     p.add_argument("--identity", type=Path, default=DEFAULT_IDENTITY, metavar="KEYFILE", help=f"private key file, created with mode 0600 (default {DEFAULT_IDENTITY})")
@@ -90,6 +91,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         store=None if args.bootstrap_only else args.store,
         blocks=args.blocks,
         num_blocks=args.num_blocks,
+        memory_gb=args.memory_gb,
         link=link_profile(args),
         limits=ServerLimits(
             max_sessions=args.max_sessions,

@@ -44,6 +44,7 @@ class DaemonConfig:
     store: Path | None = None
     blocks: str | None = None  # "A:B" or "auto"
     num_blocks: int | None = None  # for auto
+    memory_gb: float | None = None  # for auto without num_blocks: serve as many layers as fit
     link: LinkProfile = field(default_factory=LinkProfile)
     limits: ServerLimits = field(default_factory=ServerLimits)
     wire: WireFormat = field(default_factory=WireFormat)
@@ -66,6 +67,18 @@ def parse_blocks(text: str, num_layers: int) -> tuple[int, int]:
     if not 0 <= a < b <= num_layers:
         raise ValueError(f"--blocks {text}: need 0 <= START < END <= {num_layers} (the model has {num_layers} layers)")
     return a, b
+
+
+def blocks_that_fit(store, memory_gb: float | None) -> int:
+    """How many layers of `store` fit in `memory_gb` of weights (all of them when no budget is set)."""
+    num_layers = int(store.manifest.num_layers)
+    if memory_gb is None:
+        return num_layers
+    per_layer = max(1, store.span_nbytes(0, 1))
+    fit = int(memory_gb * 2**30 // per_layer)
+    if fit < 1:
+        raise ValueError(f"--memory-gb {memory_gb} is less than one layer ({per_layer / 2**30:.2f} GiB)")
+    return min(fit, num_layers)
 
 
 class InferDispatcher:
@@ -151,7 +164,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
                 num_layers = int(manifest.num_layers)
                 if cfg.blocks in (None, "auto"):
                     records = await fetch_records(node, manifest.model_id, num_layers) if cfg.bootstrap else []
-                    want = cfg.num_blocks or num_layers
+                    want = cfg.num_blocks or blocks_that_fit(store, cfg.memory_gb)
                     start, end = choose_blocks(records, num_layers, min(want, num_layers))
                     log.info("--blocks auto chose %d:%d (%d records seen)", start, end, len(records))
                 else:
