@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import make_tiny_model
 from dsd.node.drafters import ModelDrafter, NgramDrafter, check_vocab_compatible
 from dsd.node.sampling import SamplingParams, softmax, warp
 from dsd.node.verify import verify_window
@@ -15,19 +15,9 @@ VOCAB = 64
 
 
 def tiny_model(kind: str, seed: int, vocab: int = VOCAB) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    """An even smaller variant of the shared tiny models (2 layers, hidden 32, `vocab` tokens)."""
+    return make_tiny_model(kind, seed=seed, layers=2, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                           max_position_embeddings=256)
 
 
 @torch.inference_mode()
