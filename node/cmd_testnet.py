@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -89,6 +90,27 @@ def start_bootstrap(args: argparse.Namespace, state_dir: Path, ready_dir: Path, 
     return boot
 
 
+def wan_settings(args: argparse.Namespace) -> dict:
+    return {"latency_ms": args.wan_latency_ms, "jitter_ms": args.wan_jitter_ms, "mbit": args.wan_mbit}
+
+
+def await_peers(args: argparse.Namespace, ready_dir: Path, started: list[PeerProcess], t0: float) -> None:
+    """Wait for every daemon after the bootstrap to write its ready file; record its id, address and span."""
+    for proc in started[1:]:
+        info = wait_ready(ready_dir / f"{proc.name}.json", proc, max(1.0, args.timeout - (time.monotonic() - t0)))
+        proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
+        proc.start, proc.end = info.get("start", proc.start), info.get("end", proc.end)
+
+
+def record_up(state: TestnetState, state_dir: Path, t0: float, wait: Callable[[float], None], timeout: float) -> TestnetState:
+    """Save the state (so `down` works even if waiting fails), wait until the swarm is usable, save again."""
+    state.save(state_dir)
+    wait(max(1.0, timeout - (time.monotonic() - t0)))
+    state.up_seconds = round(time.monotonic() - t0, 3)
+    state.save(state_dir)
+    return state
+
+
 def bring_up(args: argparse.Namespace) -> TestnetState:
     """Start the processes, wait for a full route, and return the state (stopping everything on failure)."""
     from dsd.shard_store import Store
@@ -119,18 +141,12 @@ def bring_up(args: argparse.Namespace) -> TestnetState:
             ], state_dir)
             proc.start, proc.end = start, end
             started.append(proc)
-        for proc in started[1:]:
-            info = wait_ready(ready_dir / f"{proc.name}.json", proc, max(1.0, args.timeout - (time.monotonic() - t0)))
-            proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
+        await_peers(args, ready_dir, started, t0)
         state = TestnetState(
             bootstrap=boot.multiaddr, model=manifest.model_id, store=str(args.store), num_layers=num_layers,
-            peers=started, wan={"latency_ms": args.wan_latency_ms, "jitter_ms": args.wan_jitter_ms, "mbit": args.wan_mbit},
+            peers=started, wan=wan_settings(args),
         )
-        state.save(state_dir)
-        trio.run(_wait_route, state, max(1.0, args.timeout - (time.monotonic() - t0)))
-        state.up_seconds = round(time.monotonic() - t0, 3)
-        state.save(state_dir)
-        return state
+        return record_up(state, state_dir, t0, lambda left: trio.run(_wait_route, state, left), args.timeout)
     except BaseException:
         stop_processes([p.pid for p in reversed(started)])
         raise
@@ -173,19 +189,12 @@ def bring_up_federated(args: argparse.Namespace) -> TestnetState:
             ], state_dir)
             proc.role = "federated"
             started.append(proc)
-        for proc in started[1:]:
-            info = wait_ready(ready_dir / f"{proc.name}.json", proc, max(1.0, args.timeout - (time.monotonic() - t0)))
-            proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
-            proc.start, proc.end = info["start"], info["end"]
+        await_peers(args, ready_dir, started, t0)
         state = TestnetState(
             bootstrap=boot.multiaddr, model=pool_key(vocab), store=",".join(str(s) for s in stores), num_layers=None,
-            peers=started, wan={"latency_ms": args.wan_latency_ms, "jitter_ms": args.wan_jitter_ms, "mbit": args.wan_mbit},
+            peers=started, wan=wan_settings(args),
         )
-        state.save(state_dir)
-        trio.run(_wait_workers, state, vocab, max(1.0, args.timeout - (time.monotonic() - t0)))
-        state.up_seconds = round(time.monotonic() - t0, 3)
-        state.save(state_dir)
-        return state
+        return record_up(state, state_dir, t0, lambda left: trio.run(_wait_workers, state, vocab, left), args.timeout)
     except BaseException:
         stop_processes([p.pid for p in reversed(started)])
         raise
