@@ -246,7 +246,7 @@ class Workload:
     """The prompts of a run and how to turn them into ids and completions."""
 
     def __init__(self, models: str, indices: Sequence[int], tokenizer: Any) -> None:
-        from dsd.node.workload import humaneval_problems
+        from dsd.node.testnet.workload import humaneval_problems
 
         problems = humaneval_problems()
         for i in indices:
@@ -269,10 +269,9 @@ def load_models(models: str, work: Path, n_layers_hint: int | None = None) -> tu
     """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair) or `tiny` (target as draft)."""
     import torch
 
-    from dsd.node.cmd_generate import eos_ids, load_head_setup
-    from dsd.node.drafters import ModelDrafter
-    from dsd.node.generate import HeadSetup
-    from dsd.node.sampling import SamplingParams
+    from dsd.node.head.drafters import ModelDrafter
+    from dsd.node.head.sampling import SamplingParams
+    from dsd.node.head.setup import HeadSetup, eos_ids, load_head_setup
     from dsd.shard_store import Store
     from dsd.shard_store.default_models import default_store_paths, prepared
 
@@ -299,11 +298,11 @@ def run_setting(args: argparse.Namespace, peers: int, ratio: float, target: Path
     """One (N, t1/t0) setting: measure t0, start the testnet, run every prompt in every mode, stop it."""
     import trio
 
-    from dsd.node.calibrate import measure_t0
-    from dsd.node.head import GenerationConfig
-    from dsd.node.headnode import head_node
-    from dsd.node.sampling import SamplingParams
-    from dsd.node.shaper import LinkProfile
+    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.sampling import SamplingParams
+    from dsd.node.peer.host import head_node
+    from dsd.node.peer.shaper import LinkProfile
+    from dsd.node.testnet.calibrate import measure_t0
     from dsd.shard_store import Store
 
     store = Store(target)

@@ -71,7 +71,7 @@ def prompts_for(store: Store, count: int, quick_tiny: bool) -> list[tuple[str, l
     if quick_tiny:
         rng = np.random.default_rng(0)
         return [(f"random/{i}", [1, *rng.integers(3, store.manifest.vocab_size, 40).tolist()]) for i in range(count)]
-    from dsd.node.workload import humaneval_prompt
+    from dsd.node.testnet.workload import humaneval_prompt
 
     tok = store.load_tokenizer()
     return [(tid, list(tok(text)["input_ids"])) for tid, text in (humaneval_prompt(i) for i in range(count))]
@@ -156,11 +156,12 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
 
     import trio
 
-    from dsd.node.drafters import ModelDrafter
-    from dsd.node.federated import find_workers, generate_federated
-    from dsd.node.head import GenerationConfig
-    from dsd.node.headnode import head_node
-    from dsd.node.sampling import SamplingParams
+    from dsd.node.federated.generate import generate_federated
+    from dsd.node.federated.pool import find_workers
+    from dsd.node.head.drafters import ModelDrafter
+    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.sampling import SamplingParams
+    from dsd.node.peer.host import head_node
 
     state = Path(tempfile.mkdtemp(prefix="fedbench-"))
     cmd = [sys.executable, "-m", "dsd.node.cli"]

@@ -76,10 +76,9 @@ def today() -> str:
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (a crash mid-write never leaves half a results file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    from dsd.shard_store.files import atomic_write_bytes
+
+    atomic_write_bytes(path, json.dumps(data, indent=1).encode())
 
 
 def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layers: int = 8, hidden: int = 64,
@@ -124,14 +123,12 @@ def byte_ids(text: str) -> list[int]:
 @contextlib.contextmanager
 def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, timeout_s: float = 600.0) -> Iterator[Any]:
     """A local testnet (bootstrap + `peers` block peers, 1 thread each, WAN latency) that is always stopped."""
-    from dsd.node.cmd_testnet import bring_up
-    from dsd.node.testnet import stop_processes
+    from dsd.node.peer.shaper import LinkProfile
+    from dsd.node.testnet.processes import stop_processes
+    from dsd.node.testnet.swarm import SwarmSpec, bring_up
 
-    args = argparse.Namespace(
-        store=store, peers=peers, replicas=1, state=state_dir, threads=1, codec="raw", record_ttl=60.0,
-        timeout=timeout_s, wan_latency_ms=latency_ms, wan_jitter_ms=0.0, wan_mbit=None,
-    )
-    state = bring_up(args)
+    state = bring_up(SwarmSpec(state=state_dir, store=store, peers=peers, record_ttl_s=60.0, timeout_s=timeout_s,
+                               link=LinkProfile.from_options(latency_ms)))
     try:
         yield state
     finally:
@@ -140,8 +137,8 @@ def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, time
 
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:
     """Plan a route once (waiting until the head sees a complete one) and return its hops; every run reuses them."""
-    from dsd.node.generate import plan_hops
-    from dsd.node.routing import wait_for_route
+    from dsd.discovery.survey import wait_for_route
+    from dsd.node.route.generate import plan_hops
 
     view = await wait_for_route(node, model_id, num_layers, timeout_s)
     assert view.plan is not None
@@ -155,7 +152,7 @@ async def run_generation(node: Any, legs: Any, setup: Any, prompt: Sequence[int]
     The engine's report gives rounds, mean accepted and acceptance rate; every round after the
     prefill carries drafts in the speculative modes, so drafted and accepted follow from them.
     """
-    from dsd.node.generate import generate_once
+    from dsd.node.route.generate import generate_once
 
     report = await generate_once(node, legs, setup, prompt, cfg, hops=hops,
                                  tokenizer=tokenizer if cfg.stop_strings else None)

@@ -40,9 +40,9 @@ async def time_ring(state: Any, store: Any, latency_ms: float, windows: Sequence
     import numpy as np
     import torch
 
-    from dsd.node.client import RouteSession
-    from dsd.node.headnode import head_node
-    from dsd.node.shaper import LinkProfile
+    from dsd.node.peer.host import head_node
+    from dsd.node.peer.shaper import LinkProfile
+    from dsd.node.route.session import RouteSession
 
     head = store.load_head()
     vocab = int(store.manifest.config["vocab_size"])
@@ -85,7 +85,7 @@ def run(models: str, latency_ms: float, peers: int, reps: int, work: Path) -> di
     """One testnet (model, latency): bring-up time plus the ring timings."""
     import trio
 
-    from dsd.node.calibrate import measure_t0
+    from dsd.node.testnet.calibrate import measure_t0
     from dsd.shard_store import Store
     from dsd.shard_store.default_models import default_store_paths, prepared
 

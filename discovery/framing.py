@@ -8,12 +8,15 @@ reset or a broken transport raises `LinkError`. Deadlines belong to the caller
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any, Protocol
 
 import trio
 
 from dsd.protocol import FrameDecoder, Limits, Message, encode
+
+log = logging.getLogger(__name__)
 
 # How much one `read` asks the transport for; frames larger than this arrive in pieces.
 READ_CHUNK = 64 * 1024
@@ -119,3 +122,18 @@ class FramedStream:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def send_quietly(stream: FramedStream, msg: Message, timeout_s: float = 5.0) -> None:
+    """Best-effort send (the peer may already be gone): never raises, never waits past the timeout."""
+    with trio.move_on_after(timeout_s):
+        try:
+            await stream.send(msg)
+        except Exception as exc:
+            log.debug("could not send %s: %r", type(msg).__name__, exc)
+
+
+async def close_quietly(stream: FramedStream, timeout_s: float = 5.0) -> None:
+    """Best-effort close: never raises, never waits past the timeout."""
+    with trio.move_on_after(timeout_s):
+        await stream.close()

@@ -28,12 +28,13 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
+from dsd.protocol.ids import RECORDS_PROTOCOL
+
 from .framing import FramedStream, LinkError
 from .identity import peer_id_of
 from .record_store import (
     MAX_RECORDS_PER_KEY,
     MAX_RECORDS_PER_PUT,
-    RECORDS_PROTOCOL,
     RecordStore,
     RecordStoreError,
     check_blobs,

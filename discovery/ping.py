@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import trio
 
 from dsd.protocol import Ping, Pong, ProtocolError
+from dsd.protocol.ids import PING_PROTOCOL
 
 from .framing import FramedStream
 from .host import P2PNode
 
-PING_PROTOCOL = "/dsd/ping/1"
 MAX_PINGS_PER_STREAM = 1000
 
 

@@ -21,7 +21,6 @@ import msgpack
 
 from .records import MAX_RECORD_BYTES, PeerRecord, RecordError, verify_record
 
-RECORDS_PROTOCOL = "/dsd/records/1"
 KEY_BYTES = 32
 MAX_RECORDS_PER_KEY = 1024
 MAX_KEYS = 4096

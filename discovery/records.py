@@ -15,18 +15,17 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-import trio
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
 if TYPE_CHECKING:
-    from .host import P2PNode
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -193,151 +192,3 @@ def newest_live(records: Iterable[PeerRecord], now: float | None = None) -> list
         if k not in best or rec.issued > best[k].issued:
             best[k] = rec
     return sorted((r for r in best.values() if r.live(now)), key=lambda r: (r.start, r.end, r.peer_id))
-
-
-class Announcer:
-    """Publishes this peer's record(s) now and every `refresh_s` (default TTL/3), each valid for `ttl_s`.
-
-    `record_fn()` is called at every refresh so fields like free cache tokens stay current;
-    it returns one PeerRecord or several. peer_id is forced to the node's, addrs default
-    to the node's, issued/expires are set here. `await stop()` (while the node still runs)
-    publishes withdrawn copies (expires = issued) unless `withdraw_on_stop` is False;
-    otherwise the TTL removes the records.
-    """
-
-    def __init__(
-        self,
-        node: P2PNode,
-        record_fn: Callable[[], PeerRecord | Iterable[PeerRecord]],
-        *,
-        ttl_s: float = DEFAULT_TTL_S,
-        refresh_s: float | None = None,
-        withdraw_on_stop: bool = True,
-    ) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.node = node
-        self.record_fn = record_fn
-        self.ttl_s = float(ttl_s)
-        self.refresh_s = float(refresh_s) if refresh_s is not None else self.ttl_s / 3
-        if not 0 < self.refresh_s < self.ttl_s:
-            raise ValueError(f"refresh_s must be in (0, ttl_s), got {self.refresh_s}")
-        self.withdraw_on_stop = withdraw_on_stop
-        self.published = 0  # successful publications (any storing node took the record)
-        self.last_stored_at = 0  # storing nodes reached at the last publication
-        self._last: list[PeerRecord] = []
-        self._scope: trio.CancelScope | None = None
-
-    @classmethod
-    def for_block_server(cls, node: P2PNode, server: Any, *, throughput: float, ttl_s: float = DEFAULT_TTL_S,
-                         **kw: Any) -> Announcer:
-        """An Announcer for a block server object with model_id, start, end and cache_tokens_left."""
-        version = _software_version()
-        dtype = str(getattr(server, "dtype", None) or getattr(getattr(server, "span", None), "dtype", "float32"))
-        dtype = dtype.removeprefix("torch.")
-
-        def record_fn() -> PeerRecord:
-            return PeerRecord(
-                peer_id=node.peer_id, addrs=tuple(node.addrs), model=server.model_id,
-                start=server.start, end=server.end, role="block", throughput=float(throughput),
-                version=version, dtype=dtype, cache_tokens_left=int(server.cache_tokens_left),
-            )
-
-        return cls(node, record_fn, ttl_s=ttl_s, **kw)
-
-    def _current(self, now: float, ttl: float) -> list[PeerRecord]:
-        got = self.record_fn()
-        recs = [got] if isinstance(got, PeerRecord) else list(got)
-        return [
-            replace(r, peer_id=self.node.peer_id, addrs=r.addrs or tuple(self.node.addrs), issued=now, expires=now + ttl)
-            for r in recs
-        ]
-
-    async def publish_once(self) -> int:
-        """Publish the current record(s) once; returns how many storing nodes accepted them (self included)."""
-        now = time.time()
-        recs = self._current(now, self.ttl_s)
-        self._last = recs
-        stored = await self._put(recs)
-        self.last_stored_at = stored
-        if stored:
-            self.published += 1
-        return stored
-
-    async def _put(self, recs: list[PeerRecord]) -> int:
-        by_model: dict[str, list[bytes]] = {}
-        for r in recs:
-            by_model.setdefault(r.model, []).append(sign_record(r, self.node.key_pair))
-        total = 0
-        for model, blobs in by_model.items():
-            total += await self.node.put_records(record_key(model), blobs)
-        return total
-
-    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Publish now, signal started, then refresh until cancelled or `stop()`ped."""
-        with trio.CancelScope() as scope:
-            self._scope = scope
-            await self._publish_logged()
-            task_status.started()
-            while True:
-                await trio.sleep(self.refresh_s)
-                await self._publish_logged()
-
-    async def stop(self, timeout_s: float = 3.0) -> None:
-        """Stop refreshing and, if withdraw_on_stop, publish withdrawn copies (expires = issued = now).
-
-        Call it while the node still runs: cancelling the node's nursery cancels libp2p's
-        own tasks too, so a withdrawal attempted during that cancellation cannot get out.
-        """
-        if self._scope is not None:
-            self._scope.cancel()
-        if not (self.withdraw_on_stop and self._last):
-            return
-        now = time.time()
-        gone = [replace(r, issued=now, expires=now) for r in self._last]
-        self._last = []
-        with trio.move_on_after(timeout_s):
-            try:
-                await self._put(gone)
-            except Exception as exc:  # best effort: the TTL removes the records anyway
-                log.debug("withdrawing records failed: %r", exc)
-
-    async def _publish_logged(self) -> None:
-        try:
-            with trio.move_on_after(self.refresh_s):
-                stored = await self.publish_once()
-                if not stored:
-                    log.warning("record published to no storing node")
-        except Exception as exc:
-            log.warning("publishing discovery record failed: %r", exc)
-
-
-def _software_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"dsd/{version('dsd')}"
-    except PackageNotFoundError:
-        return "dsd/unknown"
-
-
-async def fetch_records(node: P2PNode, model: str, num_layers: int) -> list[PeerRecord]:
-    """Every live record for `model` found in the DHT; expired, invalid or out-of-range ones dropped.
-
-    num_layers <= 0 means unknown: no range check.
-    """
-    blobs = await node.get_records(record_key(model))
-    recs: list[PeerRecord] = []
-    for blob in blobs:
-        try:
-            rec = verify_record(blob)
-        except RecordError as exc:
-            log.debug("dropping record: %s", exc)
-            continue
-        if rec.model != model or (num_layers > 0 and rec.end > num_layers):
-            continue
-        if not node.accepts_record_of(rec.peer_id):
-            log.debug("dropping record of %s: not in this private swarm's allow list", rec.peer_id)
-            continue
-        recs.append(rec)
-    return newest_live(recs)

@@ -25,7 +25,7 @@ from .messages import (
     TopKResult,
     Truncate,
 )
-from .tensors import CODECS, WireTensor, decode_tensor, encode_tensor
+from .tensors import CODECS, WireFormat, WireTensor, decode_tensor, encode_tensor
 from .topk import aggregate, decode_ids, encode_ids, reconstruct, topk_from_probs
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "Result",
     "TopKResult",
     "Truncate",
+    "WireFormat",
     "WireTensor",
     "aggregate",
     "check_version",

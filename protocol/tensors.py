@@ -278,6 +278,17 @@ def encode_tensor(
     return WireTensor(a.dtype.name, tuple(int(d) for d in a.shape), codec, bool(zstd), data, wblock, wscale)
 
 
+@dataclass(frozen=True)
+class WireFormat:
+    """How a peer puts hidden states on the wire; raw fp32 is exact (DSD's lossless default)."""
+
+    codec: str = "raw"
+    zstd: bool = False
+
+    def encode(self, array: np.ndarray) -> WireTensor:
+        return encode_tensor(array, codec=self.codec, zstd=self.zstd)
+
+
 def _bounded_decompress(blob: bytes, expected: int, field: str) -> bytes:
     """Decompress a zstd payload that must hold exactly `expected` bytes, never reading past that."""
     parts: list[bytes] = []

@@ -261,7 +261,7 @@ def prepare_model(
     Does nothing when the store is already complete. Unless keep_gguf, the assembled GGUF is deleted
     after a successful conversion; its verification marker stays as the record of what was converted.
     """
-    from .writer import convert
+    from dsd.shard_store.writer import convert
 
     store = store_path(model, cache, dtype)
     step = PrepareStep(model=model, store=store)

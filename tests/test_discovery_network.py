@@ -11,19 +11,12 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from dsd.discovery.announce import Announcer, fetch_records
 from dsd.discovery.framing import FramedStream, LinkError
 from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import install_ping_handler, measure_rtt
 from dsd.discovery.record_store import RecordStore
-from dsd.discovery.records import (
-    Announcer,
-    PeerRecord,
-    RecordError,
-    fetch_records,
-    record_key,
-    sign_record,
-    verify_record,
-)
+from dsd.discovery.records import PeerRecord, RecordError, record_key, sign_record, verify_record
 from dsd.protocol import Ping, Pong
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(60)]

@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_tiny_model
-from dsd.node.backends import LocalBackend
-from dsd.node.drafters import ModelDrafter
-from dsd.node.federated import FederatedBackend, FederatedError, WorkerInfo, window_topk
-from dsd.node.head import GenerationConfig, HeadEngine
-from dsd.node.sampling import SamplingParams, warp
+from dsd.node.federated.backend import FederatedBackend
+from dsd.node.federated.pool import FederatedError, WorkerInfo
+from dsd.node.federated.worker import window_topk
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.local import LocalBackend
+from dsd.node.head.sampling import SamplingParams, warp
 from dsd.protocol import DraftWindow, FrameDecoder, ProtocolError, aggregate, encode, reconstruct
 from dsd.shard_store import Store
 

@@ -18,12 +18,12 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model, save_tiny_model
-from dsd.node.cmd_workers import list_workers
-from dsd.node.drafters import ModelDrafter
-from dsd.node.federated import FederatedError, WorkerInfo, find_workers, generate_federated
-from dsd.node.head import GenerationConfig
-from dsd.node.headnode import head_node
-from dsd.node.sampling import SamplingParams
+from dsd.node.federated.generate import generate_federated
+from dsd.node.federated.pool import FederatedError, WorkerInfo, find_workers, list_workers
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import GenerationConfig
+from dsd.node.head.sampling import SamplingParams
+from dsd.node.peer.host import head_node
 
 pytestmark = pytest.mark.network
 

@@ -9,10 +9,10 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model
-from dsd.node.backends import LocalBackend
-from dsd.node.drafters import ModelDrafter, NgramDrafter
-from dsd.node.head import GenerationConfig, HeadEngine
-from dsd.node.sampling import SamplingParams
+from dsd.node.head.drafters import ModelDrafter, NgramDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.local import LocalBackend
+from dsd.node.head.sampling import SamplingParams
 from dsd.shard_store import Store
 
 PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12], [7]]

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from dsd.node.adaptive import AdaptiveVerifier
-from dsd.node.sampling import SamplingParams, warp
-from dsd.node.verify import verify_window
+from dsd.node.head.adaptive import AdaptiveVerifier
+from dsd.node.head.sampling import SamplingParams, warp
+from dsd.node.head.verify import verify_window
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams()

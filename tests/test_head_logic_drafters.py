@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from dsd.node.drafters import ModelDrafter, NgramDrafter, check_vocab_compatible
-from dsd.node.sampling import SamplingParams, softmax, warp
-from dsd.node.verify import verify_window
+from dsd.node.head.drafters import ModelDrafter, NgramDrafter, check_vocab_compatible
+from dsd.node.head.sampling import SamplingParams, softmax, warp
+from dsd.node.head.verify import verify_window
 
 torch.set_num_threads(1)
 VOCAB = 64

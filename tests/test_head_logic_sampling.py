@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dsd.node.sampling import SamplingParams, sample, softmax, warp
+from dsd.node.head.sampling import SamplingParams, sample, softmax, warp
 
 torch.set_num_threads(1)
 

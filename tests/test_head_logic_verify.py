@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dsd.node.sampling import SamplingParams, warp
-from dsd.node.verify import Verdict, find_stop, stream_safe_length, verify_window
+from dsd.node.head.sampling import SamplingParams, warp
+from dsd.node.head.verify import Verdict, find_stop, stream_safe_length, verify_window
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams()

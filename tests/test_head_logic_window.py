@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dsd.node.window import WindowController
+from dsd.node.head.window import WindowController
 
 
 def feed(wc: WindowController, rounds: int, *, accept_all: bool, draft_s: float, round_s: float) -> int:

@@ -194,7 +194,7 @@ def _ghost(role: str) -> DefaultModel:
 
 
 def _run_cli(argv: list[str]) -> int:
-    from dsd.node import cmd_models
+    from dsd.node.cli import models as cmd_models
 
     parser = argparse.ArgumentParser(prog="dsd-node")
     cmd_models.register(parser.add_subparsers())
@@ -205,7 +205,7 @@ def _run_cli(argv: list[str]) -> int:
 def test_cli_prepare_names_missing_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dsd.node import cmd_models
+    from dsd.node.cli import models as cmd_models
     from dsd.shard_store import default_models
 
     pair = (_ghost("target"), _ghost("draft"))
@@ -225,7 +225,7 @@ def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
     tiny_qwen2_store: Path,
     tiny_qwen2_draft_store: Path,
 ) -> None:
-    from dsd.node import cmd_models
+    from dsd.node.cli import models as cmd_models
     from dsd.shard_store import default_models
 
     pair = (_ghost("target"), _ghost("draft"))
@@ -252,7 +252,7 @@ def test_cli_turns_tqdm_into_bar_detail_and_passes_other_stderr() -> None:
     from rich.progress import Progress, TextColumn
     from tqdm import tqdm
 
-    from dsd.node.cmd_models import _Bars, _TqdmToBar
+    from dsd.node.cli.models import _Bars, _TqdmToBar
 
     passthrough = io.StringIO()
     progress = Progress(TextColumn("{task.fields[detail]}"), console=Console(file=io.StringIO()))
@@ -389,7 +389,7 @@ def test_real_pair_shares_the_tokenizer() -> None:
 @needs_pair
 def test_real_prepare_is_idempotent(capsys: pytest.CaptureFixture[str]) -> None:
     """A second `models prepare` finds both stores complete, does no work and says so, fast."""
-    from dsd.node import cmd_models
+    from dsd.node.cli import models as cmd_models
 
     manifests = {role: (p / "manifest.json").stat().st_mtime_ns for role, p in default_store_paths().items()}
     started = time.perf_counter()

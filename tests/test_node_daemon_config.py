@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsd.node.daemon import blocks_that_fit, parse_blocks
+from dsd.node.peer.daemon import blocks_that_fit, parse_blocks
 from dsd.shard_store import Store
 
 

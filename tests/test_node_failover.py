@@ -18,12 +18,12 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from dsd.discovery.planner import NoRouteError
-from dsd.node.backends import RouteBackend
-from dsd.node.drafters import NgramDrafter
-from dsd.node.failover import RouteKeeper
-from dsd.node.head import GenerationConfig, HeadEngine
-from dsd.node.headnode import head_node
-from dsd.node.testnet import pid_alive
+from dsd.node.head.drafters import NgramDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.peer.host import head_node
+from dsd.node.route.backend import RouteBackend
+from dsd.node.route.keeper import RouteKeeper
+from dsd.node.testnet.processes import pid_alive
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network

@@ -16,12 +16,13 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from dsd.node.client import RouteError, RouteSession
-from dsd.node.headnode import head_node
-from dsd.node.server import INFER_PROTOCOL
-from dsd.node.testnet import pid_alive, spawn, stop_processes, wait_ready
+from dsd.node.peer.host import head_node
+from dsd.node.route.errors import RouteError
+from dsd.node.route.session import RouteSession
+from dsd.node.testnet.processes import pid_alive, spawn, stop_processes, wait_ready
 from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, encode, encode_tensor
 from dsd.protocol import Forward as Fwd
+from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network

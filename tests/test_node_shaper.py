@@ -12,7 +12,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from dsd.discovery.host import P2PNode
-from dsd.node.shaper import LinkProfile, LinkSchedule, LinkShaper
+from dsd.node.peer.shaper import LinkProfile, LinkSchedule, LinkShaper
 from dsd.protocol import Ping, Pong
 
 ECHO = "/dsd-test/echo/1"

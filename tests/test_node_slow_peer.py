@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from dsd.node.headnode import head_node
-from dsd.node.routing import survey
-from dsd.node.testnet import spawn, stop_processes, wait_ready
+from dsd.discovery.survey import survey
+from dsd.node.peer.host import head_node
+from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
 
 pytestmark = pytest.mark.network
 

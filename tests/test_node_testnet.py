@@ -18,15 +18,16 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model
-from dsd.node.backends import RouteBackend
-from dsd.node.client import RouteSession
-from dsd.node.drafters import ModelDrafter, NgramDrafter
-from dsd.node.failover import RouteKeeper
-from dsd.node.generate import HeadSetup, generate_once, plan_hops
-from dsd.node.head import GenerationConfig, HeadEngine
-from dsd.node.headnode import head_node
-from dsd.node.routing import survey
-from dsd.node.sampling import SamplingParams
+from dsd.discovery.survey import survey
+from dsd.node.head.drafters import ModelDrafter, NgramDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.sampling import SamplingParams
+from dsd.node.head.setup import HeadSetup
+from dsd.node.peer.host import head_node
+from dsd.node.route.backend import RouteBackend
+from dsd.node.route.generate import generate_once, plan_hops
+from dsd.node.route.keeper import RouteKeeper
+from dsd.node.route.session import RouteSession
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -187,7 +188,7 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
                     got = head.logits(torch.from_numpy(out).unsqueeze(0))[0, -1]
                 assert torch.allclose(got, want, atol=1e-4)
                 # Now the KV length is exactly committed + 1: a window claiming another start is refused.
-                from dsd.node.client import RouteError
+                from dsd.node.route.errors import RouteError
 
                 with pytest.raises(RouteError, match="starts at"):
                     await session.forward(h, start=committed, commit=None, epoch=10_000, timeout=30)
@@ -251,7 +252,7 @@ def test_killed_peer_leaves_the_dht_and_route_names_missing_blocks(testnet: dict
 
 def test_blocks_auto_fills_the_gap(testnet: dict, tiny_qwen2_root: Path, tmp_path: Path) -> None:
     """After the kill above, blocks 2-3 are uncovered: a peer started with `--blocks auto` serves them."""
-    from dsd.node.testnet import spawn, stop_processes, wait_ready
+    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
 
     proc = spawn("auto", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "auto", "--num-blocks", "2",
                           "--bootstrap", testnet["bootstrap"], "--identity", str(tmp_path / "auto.key"),

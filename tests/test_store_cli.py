@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsd.node import cmd_store
+from dsd.node.cli import store as cmd_store
 
 
 def run(argv: list[str]) -> int:

@@ -1,0 +1,123 @@
+"""Find a route from the head's point of view: fetch DHT records, probe RTTs, run the planner.
+
+Shared by `dsd-node route`, `testnet up` (to know the swarm is complete) and
+`generate`; the planner itself is a pure function in `dsd.discovery.planner`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from .announce import fetch_records
+from .host import P2PNode
+from .ping import measure_rtt
+from .planner import NoRouteError, RoutePlan, plan_route
+from .records import PeerRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmView:
+    """What the head saw: live records, measured RTTs (None = unreachable) and the plan, if any."""
+
+    records: list[PeerRecord]
+    rtts: dict[str, float | None] = field(default_factory=dict)
+    plan: RoutePlan | None = None
+    error: NoRouteError | None = None
+
+    def coverage(self, num_layers: int) -> list[int]:
+        """How many live block records cover each layer."""
+        cover = [0] * num_layers
+        for rec in self.records:
+            if rec.role == "block":
+                for i in range(max(0, rec.start), min(num_layers, rec.end)):
+                    cover[i] += 1
+        return cover
+
+
+    def report(self, model: str, num_layers: int) -> dict:
+        """The swarm as `route --json` prints it: peers with RTTs, coverage, the route or what is missing."""
+        peers = [
+            {
+                "peer_id": r.peer_id,
+                "addrs": list(r.addrs),
+                "start": r.start,
+                "end": r.end,
+                "throughput": r.throughput,
+                "rtt_ms": None if self.rtts.get(r.peer_id) is None else round(self.rtts[r.peer_id] * 1000, 3),
+                "version": r.version,
+                "dtype": r.dtype,
+                "cache_tokens_left": r.cache_tokens_left,
+                "expires": r.expires,
+            }
+            for r in sorted(self.records, key=lambda r: (r.start, r.end, r.peer_id))
+        ]
+        route = None
+        if self.plan is not None:
+            route = {
+                "hops": [{"peer_id": h.peer_id, "start": h.start, "end": h.end} for h in self.plan.hops],
+                "est_round_s": round(self.plan.est_round_s, 6),
+            }
+        missing = list(self.error.missing_blocks) if self.error is not None else []
+        return {
+            "model": model,
+            "num_layers": num_layers,
+            "peers": peers,
+            "coverage": self.coverage(num_layers),
+            "route": route,
+            "missing_blocks": missing,
+            "error": str(self.error) if self.error is not None else None,
+        }
+
+
+async def probe_rtts(node: P2PNode, records: Iterable[PeerRecord], timeout_s: float = 5.0) -> dict[str, float | None]:
+    """Median RTT to every distinct peer, probed in parallel; None for a peer that did not answer."""
+    peers = {rec.peer_id: rec for rec in records}
+    rtts: dict[str, float | None] = {}
+
+    async def one(rec: PeerRecord) -> None:
+        try:
+            rtts[rec.peer_id] = await measure_rtt(node, rec.peer_id, rec.addrs, timeout=timeout_s)
+        except Exception as exc:  # unreachable, reset, timeout
+            log.info("ping %s failed: %r", rec.peer_id, exc)
+            rtts[rec.peer_id] = None
+
+    async with trio.open_nursery() as nursery:
+        for rec in peers.values():
+            nursery.start_soon(one, rec)
+    return rtts
+
+
+async def survey(
+    node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] = (), role: str = "block"
+) -> SwarmView:
+    """Fetch, probe and plan once."""
+    records = [r for r in await fetch_records(node, model, num_layers) if r.role == role]
+    view = SwarmView(records)
+    view.rtts = await probe_rtts(node, records)
+    reachable = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
+    live = [r for r in records if r.peer_id in reachable]
+    try:
+        view.plan = plan_route(live, reachable, num_layers, blacklist=set(blacklist))
+    except NoRouteError as exc:
+        view.error = exc
+    return view
+
+
+async def wait_for_route(node: P2PNode, model: str, num_layers: int, timeout_s: float, poll_s: float = 1.0) -> SwarmView:
+    """Survey until a complete route exists; raises the last NoRouteError on timeout."""
+    view: SwarmView | None = None
+    with trio.move_on_after(timeout_s):
+        while True:
+            view = await survey(node, model, num_layers)
+            if view.plan is not None:
+                return view
+            await trio.sleep(poll_s)
+    if view is not None and view.error is not None:
+        raise view.error
+    raise TimeoutError(f"no complete route for {model} after {timeout_s:.0f} s")

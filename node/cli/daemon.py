@@ -1,0 +1,145 @@
+"""`dsd-node start` (run a peer) and `dsd-node route` (show the swarm and the route a head would take)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dsd.node.server.ledger import ServerLimits
+
+from .options import DEFAULT_IDENTITY, add_wan_options, link_profile, read_allow_list
+
+log = logging.getLogger(__name__)
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("start", help="run a peer: serve a span of layers (or only the DHT) on the swarm")
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("--store", type=Path, help="model store to serve layers from (see `dsd-node convert`)")
+    role.add_argument("--bootstrap-only", action="store_true", help="serve only the DHT, as a bootstrap node")
+    p.add_argument("--blocks", default="auto", help="layers to serve, START:END (half-open) or auto (least-covered span; default)")
+    p.add_argument("--num-blocks", type=int, default=None, help="with --blocks auto: how many layers to serve (default: what --memory-gb allows, else all)")
+    p.add_argument("--memory-gb", type=float, default=None, help="with --blocks auto: weight memory this peer may use; picks how many layers to serve")
+    p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help="listen address (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="a peer to join the swarm through (repeatable)")
+    p.add_argument("--identity", type=Path, default=DEFAULT_IDENTITY, metavar="KEYFILE", help=f"private key file, created with mode 0600 (default {DEFAULT_IDENTITY})")
+    p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE", help="private swarm: accept streams only from these peer ids (one per line)")
+    p.add_argument("--max-sessions", type=int, default=ServerLimits.max_sessions)
+    p.add_argument("--kv-budget", type=int, default=ServerLimits.kv_budget_tokens, metavar="TOKENS", help="KV cache tokens reserved across sessions")
+    p.add_argument("--max-len", type=int, default=ServerLimits.max_len, metavar="TOKENS", help="longest session this peer accepts")
+    p.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout_s, metavar="S", help="free a session after S seconds without a message")
+    p.add_argument("--codec", choices=("raw", "fp16", "bf16", "int8"), default="raw", help="hidden-state codec on the wire (raw is exact)")
+    p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
+    p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
+    p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
+    fed = p.add_argument_group("federated worker (SpecFed)")
+    fed.add_argument("--federated", action="store_true", help="load the whole model of --store and answer draft windows with top-K distributions")
+    fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="largest K this worker returns (default: the vocabulary size)")
+    fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16", help="probability codec of the top-K answers")
+    add_wan_options(p)
+    p.set_defaults(func=cmd_start)
+
+    r = sub.add_parser("route", help="list the peers serving a model and the route a head would choose")
+    r.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR")
+    r.add_argument("--model", required=True, help="model id as announced (see `dsd-node store inspect`)")
+    r.add_argument("--num-layers", type=int, default=None, help="layers of the model (default: the largest span end announced)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    add_wan_options(r)
+    r.set_defaults(func=cmd_route)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import trio
+
+    from dsd.node.peer.daemon import DaemonConfig, run_daemon
+    from dsd.protocol import WireFormat
+
+
+    cfg = DaemonConfig(
+        identity=args.identity,
+        listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+        bootstrap=args.bootstrap,
+        store=None if args.bootstrap_only else args.store,
+        blocks=args.blocks,
+        num_blocks=args.num_blocks,
+        memory_gb=args.memory_gb,
+        link=link_profile(args),
+        limits=ServerLimits(
+            max_sessions=args.max_sessions,
+            kv_budget_tokens=args.kv_budget,
+            max_len=args.max_len,
+            idle_timeout_s=args.idle_timeout,
+        ),
+        wire=WireFormat(args.codec, args.zstd),
+        threads=args.threads,
+        ready_file=args.ready_file,
+        allow_peers=read_allow_list(args.allow_peers),
+        record_ttl_s=args.record_ttl,
+        federated=args.federated,
+        topk_cap=args.topk_cap,
+        topk_codec=args.topk_codec,
+    )
+    if args.federated and cfg.store is None:
+        print("dsd-node: --federated needs --store (the whole model the worker serves)", file=sys.stderr)
+        return 2
+    if args.topk_cap is not None and args.topk_cap < 1:
+        print(f"dsd-node: --topk-cap must be >= 1, got {args.topk_cap}", file=sys.stderr)
+        return 2
+    if cfg.store is not None and not (Path(cfg.store) / "manifest.json").exists():
+        print(f"dsd-node: {cfg.store} is not a model store (no manifest.json); see `dsd-node convert`", file=sys.stderr)
+        return 2
+    try:
+        trio.run(run_daemon, cfg)
+    except ValueError as exc:
+        print(f"dsd-node: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    import trio
+
+    from dsd.discovery.announce import fetch_records
+    from dsd.discovery.survey import survey
+    from dsd.node.peer.host import head_node
+
+
+    async def main() -> dict:
+        async with head_node(args.bootstrap, link_profile(args)) as (node, _legs):
+            num_layers = args.num_layers
+            if num_layers is None:
+                recs = await fetch_records(node, args.model, 0)
+                num_layers = max((r.end for r in recs), default=0)
+            view = await survey(node, args.model, num_layers)
+            return view.report(args.model, num_layers)
+
+    report = trio.run(main)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_route_report(report)
+    return 0 if report["route"] else 1
+
+
+def print_route_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"peers serving {report['model']} ({report['num_layers']} layers)")
+    for col in ("peer", "blocks", "throughput", "RTT ms", "cache left", "version"):
+        table.add_column(col)
+    for p in report["peers"]:
+        table.add_row(p["peer_id"][-12:], f"{p['start']}:{p['end']}", f"{p['throughput']:.1f}",
+                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}", str(p["cache_tokens_left"]), str(p["version"]))
+    console.print(table)
+    cover = report["coverage"]
+    console.print("coverage: " + " ".join(str(c) if c else "[red]0[/red]" for c in cover))
+    if report["route"]:
+        hops = " → ".join(f"{h['peer_id'][-8:]}[{h['start']}:{h['end']}]" for h in report["route"]["hops"])
+        console.print(f"route: head → {hops} → head   (est. round {report['route']['est_round_s'] * 1000:.1f} ms)")
+    else:
+        console.print(f"[red]no route:[/red] {report['error']}")

@@ -1,0 +1,61 @@
+"""`dsd-node demo`: the main job end to end on one machine (prepare the pair, WAN testnet, ar vs dsd)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .models import prepare_with_progress
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="prepare the default models, run a local WAN testnet, compare ar and dsd")
+    p.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/dsd/models or $DSD_CACHE)")
+    p.add_argument("--target", type=Path, default=None, help="target store (default: the prepared 1.5B)")
+    p.add_argument("--draft", default=None, help="draft store or ngram (default: the prepared 0.5B)")
+    p.add_argument("--peers", type=int, default=4, help="block peers (default 4)")
+    p.add_argument("--ratio", type=float, default=5.0, help="t1/t0: one-way link latency in units of one peer's step (default 5)")
+    p.add_argument("--problem", type=int, default=2, help="HumanEval problem index (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--state", type=Path, default=Path(".dsd/demo"), help="testnet state directory (default .dsd/demo)")
+    p.add_argument("--modes", default="ar,dsd", help="comma-separated modes to compare (default ar,dsd)")
+    p.add_argument("--json", action="store_true", help="also print the reports as one JSON object")
+    p.set_defaults(func=cmd_demo)
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dsd.node.testnet.demo import DemoSpec, run_demo
+    from dsd.shard_store.default_models import default_store_paths
+
+    if args.target is None:
+        say("== the default model pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft)")
+        rc = prepare_with_progress(args.cache, "float32")
+        if rc:
+            return rc
+        paths = default_store_paths(args.cache)
+        target, draft = paths["target"], args.draft or str(paths["draft"])
+    else:
+        target, draft = args.target, args.draft or "ngram"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    result = run_demo(DemoSpec(target=target, draft=draft, state=args.state, peers=args.peers, ratio=args.ratio,
+                               problem=args.problem, max_new_tokens=args.max_new_tokens, modes=modes), say)
+    base = result.reports.get("ar")
+    say("== result")
+    for mode, r in result.reports.items():
+        speed = f"  speedup vs ar {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and mode != "ar" else ""
+        same = ""
+        if base and mode != "ar":
+            same = "  identical text" if r["tokens"] == base["tokens"] else "  TEXT DIFFERS"
+        say(f"{mode:13s} {r['tokens_per_s']:.2f} tok/s{speed}{same}")
+    if args.json:
+        say(json.dumps(result.as_dict()))
+    if not result.identical():
+        print("dsd-node demo: greedy outputs differ between modes: this is a bug", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,129 @@
+"""`dsd-node generate`: run the head — draft locally, verify over the swarm (or federated workers), stream the text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsd.node.head.modes import MODE_HELP, MODES
+
+from .options import add_wan_options, fail, link_profile
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
+    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
+    p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
+    p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram", help="draft model store, or ngram for model-free prompt lookup (default; with --federated the default is the --store model)")
+    p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs a store with a tokenizer)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gamma", type=int, default=None, help="fixed draft window size (default: adaptive)")
+    p.add_argument("--gamma-max", type=int, default=16)
+    p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive: largest relaxation (0 = lossless)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    add_wan_options(p)
+    g = p.add_argument_group("federated mode (SpecFed): --store is the draft; workers hold whole models")
+    g.add_argument("--federated", action="store_true", help="verify against federated workers' top-K distributions")
+    g.add_argument("--workers", default="auto", metavar="auto|PEER_ID,...", help="workers to use (default auto: every live worker of the vocabulary, sorted by peer id)")
+    g.add_argument("--weights", default=None, metavar="W1,W2,...", help="aggregation weights in the order of --workers (default equal)")
+    g.add_argument("--topk", type=int, default=None, metavar="K", help="K asked of every worker (default: each worker's own cap)")
+    g.add_argument("--reconstruct", choices=("renormalize", "residual"), default="residual", help="how a top-K is rebuilt into a distribution (default residual)")
+    g.add_argument("--worker-timeout", type=float, default=60.0, metavar="S", help="window deadline: a worker later than S seconds is left out of that window")
+    p.set_defaults(func=cmd_generate)
+
+
+def parse_weights(text: str | None) -> list[float] | None:
+    """`1,2.5,...` -> floats; None stays None (equal weights)."""
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"dsd-node: --weights must be comma-separated numbers, got {text!r}") from None
+
+
+def _federated_options(args: argparse.Namespace) -> dict[str, Any]:
+    peer_ids = None if args.workers == "auto" else [p.strip() for p in args.workers.split(",") if p.strip()]
+    return {"peer_ids": peer_ids, "top_k": args.topk, "weights": parse_weights(args.weights),
+            "method": args.reconstruct, "window_timeout_s": args.worker_timeout}
+
+
+def _summary(report: dict, federated: bool) -> str:
+    if federated:
+        active = len([w for w in report["workers"] if w["state"] == "active"])
+        return (f"[federated {report['mode']}] {report['new_tokens']} tokens in {report['elapsed_s']:.2f} s, "
+                f"{active}/{len(report['workers'])} workers, acceptance {report['acceptance_rate']:.2f}, "
+                f"uplink {report['uplink_bytes_per_token']:.0f} B/token, missed {report['missed']}")
+    return (f"[{report['mode']}] {report['new_tokens']} tokens in {report['elapsed_s']:.2f} s "
+            f"({report['tokens_per_s']:.2f} tok/s), {report['rounds']} rounds, "
+            f"mean accepted {report['mean_accepted']:.2f}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    import trio
+
+    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.sampling import SamplingParams
+    from dsd.node.head.setup import encode_prompt, eos_ids, load_head_setup
+    from dsd.node.head.streaming import TextStreamer
+    from dsd.node.peer.head import GenerationFailed, generate_text
+    from dsd.shard_store import Store, StoreError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.federated and args.mode == "ar":
+        return fail("--federated drafts by design; use --mode sd or dsd")
+    draft = args.draft or (str(args.store) if args.federated else "ngram")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated)
+        cfg = GenerationConfig(
+            mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
+            gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
+            eos_ids=eos_ids(tokenizer, Store(args.store).manifest.config), stop_strings=tuple(args.stop),
+        )
+        prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
+    except (ValueError, StoreError, OSError) as exc:
+        return fail(str(exc))
+    streamer = TextStreamer(tokenizer, cfg.stop_strings) if tokenizer is not None and not args.json else None
+
+    def on_tokens(toks: list[int]) -> None:
+        if streamer is not None:
+            sys.stdout.write(streamer.push(toks))
+            sys.stdout.flush()
+
+    def text_of(tokens: list[int]) -> str | None:
+        return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+
+    federated = _federated_options(args) if args.federated else None
+    try:
+        report = trio.run(lambda: generate_text(
+            args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
+            on_tokens=on_tokens, federated=federated,
+        ))
+    except GenerationFailed as exc:
+        print(f"\ndsd-node: generation failed after {len(exc.tokens)} tokens: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({**exc.report, "tokens": exc.tokens, "text": text_of(exc.tokens), "error": str(exc)}))
+        return 1
+    report["text"] = text_of(report["tokens"])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        sys.stdout.write((streamer.finish(report["tokens"]) if streamer else (report["text"] or "")) + "\n")
+        print(_summary(report, args.federated), file=sys.stderr)
+    return 0

@@ -1,0 +1,54 @@
+"""The `dsd-node` command line: one parser, one module per subcommand group.
+
+Import policy: the command modules import only light modules at the top (argparse,
+the protocol, settings dataclasses); each command imports the libraries it runs
+(torch, transformers, libp2p) when it is called, so `dsd-node --help` and argument
+errors answer without loading them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import daemon, demo, generate, models, store, testnet, workers
+
+# Each module defines `register(subparsers)` and owns one group of subcommands.
+COMMAND_MODULES = (
+    store,  # convert, store inspect, store verify
+    models,  # models prepare
+    daemon,  # start, route
+    testnet,  # testnet up/down/status
+    generate,  # generate (over a route, or --federated)
+    workers,  # workers (federated mode)
+    demo,  # demo: the main job end to end
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsd-node",
+        description="Peer-to-peer LLM inference with decentralized speculative decoding.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Options several commands share: the emulated WAN, the allow list, the default identity file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsd.node.peer.shaper import LinkProfile
+
+DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"
+
+
+def add_wan_options(p: argparse.ArgumentParser) -> None:
+    """The emulated-WAN options shared by every command that sends frames."""
+    g = p.add_argument_group("emulated WAN (off by default)")
+    g.add_argument("--wan-latency-ms", type=float, default=0.0, metavar="MS", help="one-way latency added to every frame this process sends")
+    g.add_argument("--wan-jitter-ms", type=float, default=0.0, metavar="MS", help="uniform jitter (± MS, at most the latency)")
+    g.add_argument("--wan-mbit", type=float, default=None, metavar="MBIT", help="bandwidth cap of each link in megabit/s")
+
+
+def link_profile(args: argparse.Namespace) -> LinkProfile:
+    """The `--wan-*` options as a link profile; a bad combination exits with one line."""
+    try:
+        return LinkProfile.from_options(args.wan_latency_ms, args.wan_jitter_ms, args.wan_mbit)
+    except ValueError as exc:
+        raise SystemExit(f"dsd-node: bad WAN option: {exc}") from None
+
+
+def read_allow_list(path: Path | None) -> set[str] | None:
+    """Peer ids, one per line (# comments allowed); None when no list was given."""
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"dsd-node: cannot read --allow-peers file: {exc}") from None
+    return {line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()}
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Print one `dsd-node: ...` line to stderr and return the exit code."""
+    import sys
+
+    print(f"dsd-node: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,110 @@
+"""`dsd-node testnet up|down|status`: a local swarm of real daemons on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .options import add_wan_options, fail, link_profile
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testnet", help="run a local multi-peer swarm on loopback")
+    tsub = p.add_subparsers(dest="testnet_command", metavar="ACTION")
+    tsub.required = True
+
+    up = tsub.add_parser("up", help="start a bootstrap node and N block peers; return once a full route is visible")
+    up.add_argument("--store", type=Path, default=None, help="model store the peers serve (required unless --worker-stores)")
+    up.add_argument("--peers", type=int, default=4, help="number of block peers (default 4)")
+    up.add_argument("--replicas", type=int, default=1, help="peers per span: the layers are split into PEERS/REPLICAS spans")
+    up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
+    up.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
+    up.add_argument("--codec", choices=("raw", "fp16", "bf16", "int8"), default="raw")
+    up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
+    up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
+    up.add_argument("--json", action="store_true", help="print the state as JSON")
+    fed = up.add_argument_group("federated mode: whole-model workers instead of block peers")
+    fed.add_argument("--federated", action="store_true", help="start one federated worker per store (--store, --store2 or --worker-stores)")
+    fed.add_argument("--store2", type=Path, default=None, help="a second worker's store (same vocabulary)")
+    fed.add_argument("--worker-stores", default=None, metavar="A,B,...", help="the workers' stores, one worker each")
+    fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="every worker's K cap")
+    fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16")
+    add_wan_options(up)
+    up.set_defaults(func=cmd_up)
+
+    down = tsub.add_parser("down", help="stop every process of the testnet")
+    down.add_argument("--state", type=Path, required=True, metavar="DIR")
+    down.set_defaults(func=cmd_down)
+
+    status = tsub.add_parser("status", help="show which testnet processes run")
+    status.add_argument("--state", type=Path, required=True, metavar="DIR")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+
+def spec_of(args: argparse.Namespace):
+    """The `testnet up` options as a swarm spec."""
+    from dsd.node.testnet.swarm import SwarmSpec
+
+    if args.worker_stores:
+        workers = [Path(x.strip()) for x in args.worker_stores.split(",") if x.strip()]
+    else:
+        workers = [s for s in (args.store, args.store2) if s is not None]
+    return SwarmSpec(
+        state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
+        codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
+        federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from dsd.node.testnet.swarm import SwarmError, bring_up, state_report
+
+    try:
+        state = bring_up(spec_of(args))
+    except SwarmError as exc:
+        return fail(str(exc))
+    except (TimeoutError, RuntimeError) as exc:
+        return fail(f"testnet did not come up: {exc}", 1)
+    if args.json:
+        print(json.dumps(state_report(state), indent=2))
+    else:
+        print(f"testnet up in {state.up_seconds:.1f} s: bootstrap {state.bootstrap}")
+        for p in state.peers[1:]:
+            what = "federated worker" if p.role == "federated" else "blocks"
+            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}")
+        print(f"state in {args.state}; stop with: dsd-node testnet down --state {args.state}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from dsd.node.testnet.processes import TestnetState, stop_processes
+
+    try:
+        state = TestnetState.load(args.state)
+    except FileNotFoundError as exc:
+        return fail(str(exc), 1)
+    outcome = stop_processes([p.pid for p in reversed(state.peers)])
+    for p in state.peers:
+        print(f"{p.name:10s} pid {p.pid}: {outcome.get(p.pid, 'unknown')}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from dsd.node.testnet.processes import TestnetState
+    from dsd.node.testnet.swarm import state_report
+
+    try:
+        state = TestnetState.load(args.state)
+    except FileNotFoundError as exc:
+        return fail(str(exc), 1)
+    d = state_report(state)
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(f"bootstrap {state.bootstrap}  model {state.model}  wan {state.wan}")
+        for p in d["peers"]:
+            span = "" if p["start"] is None else f"blocks {p['start']}:{p['end']}"
+            print(f"  {p['name']:10s} {'up  ' if p['alive'] else 'DOWN'} pid {p['pid']:<8d} {span:14s} {p['peer_id']}")
+    return 0 if all(p["alive"] for p in d["peers"]) else 1

@@ -1,0 +1,1 @@
+"""SpecFed: worker pool discovery, the worker, the server-side backend, one federated generation."""

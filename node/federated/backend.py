@@ -1,0 +1,412 @@
+"""Server side (`FederatedBackend`, a `TargetBackend` with `returns_probs = True`): broadcasts
+each window to every active worker in parallel, waits until every one answered or the
+window's deadline passed, rebuilds each distribution (renormalize | residual), averages
+with the weights renormalised over the workers that answered, and hands the engine
+probabilities [rows, V]. A worker that misses a deadline is left out of that window
+(logged, counted); its KV stays consistent because it still processes every window in
+stream order (late answers are discarded by (epoch, start)), so it rejoins when it keeps
+up again; after `max_misses` consecutive misses it is dropped for the rest of the
+generation. A worker whose stream fails is dropped at once. Generation goes on while at
+least one worker answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+
+from dsd.discovery.framing import FramedStream, close_quietly
+from dsd.discovery.host import P2PNode
+from dsd.node.head.sampling import SamplingParams
+from dsd.node.server.ledger import ServerLimits
+from dsd.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    CloseSession,
+    DraftWindow,
+    Error,
+    Hello,
+    OpenSession,
+    TopKResult,
+    aggregate,
+    reconstruct,
+)
+from dsd.protocol.ids import FEDERATED_PROTOCOL
+from dsd.protocol.topk import RECONSTRUCT_METHODS
+
+from .pool import FederatedError, WorkerInfo, parse_hello, pool_key
+
+log = logging.getLogger(__name__)
+
+
+# Longest window the server sends; longer prompts are prefilled in chunks of this size.
+PREFILL_CHUNK = ServerLimits.max_window
+
+
+@dataclass
+class WorkerLink:
+    """The server's view of one worker during a generation: stream, weight, state and statistics."""
+
+    info: WorkerInfo
+    weight: float
+    model: str | None = None
+    stream: FramedStream | None = None
+    state: str = "opening"  # opening | active | dropped | failed
+    reason: str = ""
+    k: int = 0
+    windows_sent: int = 0
+    windows_answered: int = 0
+    windows_missed: int = 0
+    consecutive_misses: int = 0
+    rows_received: int = 0
+    eps_sum: float = 0.0
+    results: dict[tuple[int, int], TopKResult] = field(default_factory=dict)
+
+    @property
+    def peer_id(self) -> str:
+        return self.info.peer_id
+
+    @property
+    def bytes_received(self) -> int:
+        return self.stream.bytes_received if self.stream is not None else 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.stream.bytes_sent if self.stream is not None else 0
+
+    def report(self) -> dict[str, Any]:
+        """Per-worker statistics for `--json`."""
+        return {
+            "peer_id": self.peer_id,
+            "model": self.model,
+            "weight": self.weight,
+            "state": self.state,
+            "reason": self.reason,
+            "k": self.k,
+            "topk_cap": self.info.topk_cap,
+            "windows_sent": self.windows_sent,
+            "windows_answered": self.windows_answered,
+            "windows_missed": self.windows_missed,
+            "rows_received": self.rows_received,
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "bytes_per_row": round(self.bytes_received / self.rows_received, 2) if self.rows_received else None,
+            "mean_eps": round(self.eps_sum / self.rows_received, 8) if self.rows_received else None,
+        }
+
+
+@dataclass
+class _Window:
+    epoch: int
+    first_row: int
+    rows: int
+    deadline: float
+    targets: list[WorkerLink]
+
+
+class FederatedBackend:
+    """The head engine's target backend over federated workers: returns aggregated probabilities [rows, V].
+
+    Use as an async context manager (it opens one session per worker, in parallel, and owns
+    the reader tasks). `returns_probs` tells the engine to verify against log(p̂) at temperature 1.
+    """
+
+    returns_probs = True
+
+    def __init__(
+        self,
+        node: P2PNode,
+        workers: Sequence[WorkerInfo],
+        *,
+        vocab_size: int,
+        params: SamplingParams,
+        max_len: int,
+        top_k: int | None = None,
+        weights: Sequence[float] | None = None,
+        method: str = "residual",
+        window_timeout_s: float = 60.0,
+        open_timeout_s: float = 60.0,
+        max_misses: int = 3,
+        session_id: str | None = None,
+    ) -> None:
+        if not workers:
+            raise FederatedError("federated generation needs at least one worker")
+        if method not in RECONSTRUCT_METHODS:
+            raise FederatedError(f"--reconstruct must be one of {', '.join(RECONSTRUCT_METHODS)}, got {method!r}")
+        if top_k is not None and not 1 <= top_k <= vocab_size:
+            raise FederatedError(f"--topk must be in [1, {vocab_size}] (the vocabulary size), got {top_k}")
+        if weights is None:
+            weights = [1.0] * len(workers)
+        if len(weights) != len(workers):
+            raise FederatedError(f"got {len(weights)} weights for {len(workers)} workers")
+        if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise FederatedError(f"weights must be finite, >= 0 and not all zero, got {list(weights)}")
+        if window_timeout_s <= 0:
+            raise FederatedError(f"--worker-timeout must be > 0, got {window_timeout_s}")
+        for w in workers:
+            if w.vocab_size != vocab_size:
+                raise FederatedError(
+                    f"worker {w.peer_id} ({w.model or 'model unknown'}) has a vocabulary of {w.vocab_size} tokens, "
+                    f"the server's has {vocab_size}: federated workers must share the vocabulary"
+                )
+        if len({w.peer_id for w in workers}) != len(workers):
+            raise FederatedError("a worker is listed twice")
+        self.node = node
+        self.vocab_size = int(vocab_size)
+        self.params = params
+        self.max_len = max_len
+        self.top_k = top_k
+        self.method = method
+        self.window_timeout_s = window_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.max_misses = max_misses
+        self.id = session_id or secrets.token_hex(8)
+        self.links = [WorkerLink(w, float(wt), model=w.model) for w, wt in zip(workers, weights, strict=True)]
+        self.windows = 0
+        self.misses = 0
+        self.drops = 0
+        self.aggregate_s = 0.0
+        self._window: _Window | None = None
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._nursery_cm = trio.open_nursery()
+
+    # --- lifecycle --------------------------------------------------------
+
+    @property
+    def active(self) -> list[WorkerLink]:
+        return [link for link in self.links if link.state == "active"]
+
+    async def __aenter__(self) -> FederatedBackend:
+        self._nursery = await self._nursery_cm.__aenter__()
+        try:
+            async with trio.open_nursery() as opening:
+                for link in self.links:
+                    opening.start_soon(self._open, link)
+            mismatched = [link for link in self.links if link.reason.startswith("vocabulary mismatch")]
+            if mismatched:
+                raise FederatedError("; ".join(f"worker {link.peer_id}: {link.reason}" for link in mismatched))
+            if not self.active:
+                reasons = "; ".join(f"{link.peer_id}: {link.reason}" for link in self.links)
+                raise FederatedError(f"no federated worker could be opened ({reasons})")
+            for link in self.active:
+                self._nursery.start_soon(self._reader, link)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await self._close_all()
+            self._nursery.cancel_scope.cancel()
+            await self._nursery_cm.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        try:
+            await self._close_all()
+        finally:
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+        return await self._nursery_cm.__aexit__(*exc)
+
+    async def _close_all(self) -> None:
+        async with trio.open_nursery() as n:
+            for link in self.links:
+                n.start_soon(self._close_link, link)
+
+    async def _close_link(self, link: WorkerLink) -> None:
+        if link.stream is None:
+            return
+        with trio.move_on_after(3):
+            try:
+                await link.stream.send(CloseSession(self.id))
+            except Exception as exc:
+                log.debug("close to %s: %r", link.peer_id, exc)
+        await close_quietly(link.stream)
+
+    async def _open(self, link: WorkerLink) -> None:
+        info = link.info
+        try:
+            with trio.fail_after(self.open_timeout_s):
+                link.stream = await self.node.open(info.peer_id, info.addrs, FEDERATED_PROTOCOL)
+                await link.stream.send(Hello(PROTOCOL_VERSION, ("server",), "", ()))
+                hello = await link.stream.receive()
+                if isinstance(hello, Error):
+                    raise FederatedError(f"refused: {hello.code}: {hello.message}")
+                if not isinstance(hello, Hello):
+                    raise FederatedError(f"answered Hello with {type(hello).__name__}")
+                desc = parse_hello(hello)
+                link.model = desc["model"]
+                if desc["vocab_size"] is not None and desc["vocab_size"] != self.vocab_size:
+                    raise FederatedError(
+                        f"vocabulary mismatch: model {desc['model']!r} has {desc['vocab_size']} tokens, the server's "
+                        f"has {self.vocab_size}; federated workers must share the vocabulary"
+                    )
+                await link.stream.send(
+                    OpenSession(self.id, pool_key(self.vocab_size), 0, info.num_layers, self.max_len, ())
+                )
+                reply = await link.stream.receive()
+                if isinstance(reply, Error):
+                    raise FederatedError(f"refused the session: {reply.code}: {reply.message}")
+                if not isinstance(reply, Ack):
+                    raise FederatedError(f"answered OpenSession with {type(reply).__name__}")
+            link.state = "active"
+            log.info("federated session %s open on %s (%s)", self.id, info.peer_id, link.model)
+        except Exception as exc:  # refused, unreachable, timeout, bad frame
+            link.state = "failed"
+            link.reason = str(exc) if isinstance(exc, FederatedError) else f"{type(exc).__name__}: {exc}"
+            log.warning("federated worker %s not used: %s", info.peer_id, link.reason)
+            if link.stream is not None:
+                await close_quietly(link.stream)
+
+    async def _reader(self, link: WorkerLink) -> None:
+        """Collect a worker's answers (keyed by epoch and first row) until its stream ends."""
+        assert link.stream is not None
+        try:
+            while True:
+                msg = await link.stream.receive()
+                if isinstance(msg, TopKResult):
+                    link.results[(msg.epoch, msg.start)] = msg
+                elif isinstance(msg, Error):
+                    raise FederatedError(f"worker error {msg.code}: {msg.message}")
+                self._notify()
+        except Exception as exc:  # EOF, reset, bad frame, worker error
+            if link.state == "active":
+                link.state = "failed"
+                link.reason = str(exc) if isinstance(exc, FederatedError) else f"stream ended: {type(exc).__name__}: {exc}"
+                self.drops += 1
+                log.warning("federated worker %s dropped: %s", link.peer_id, link.reason)
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = trio.Event()
+
+    # --- TargetBackend ----------------------------------------------------
+
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        """Broadcast the window to every active worker; a prefill (start 0) asks for its last row only."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("a window needs at least one token")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        rows = 1 if start == 0 else len(tokens)
+        if rows > PREFILL_CHUNK:
+            raise ValueError(f"a draft window holds at most {PREFILL_CHUNK} tokens, got {len(tokens)}")
+        msgs: list[DraftWindow] = []
+        at, first_commit = 0, commit
+        while len(tokens) - at > PREFILL_CHUNK:  # long prompts: chunks whose answers are ignored
+            msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, tuple(tokens[at : at + PREFILL_CHUNK]), 1, 1.0))
+            at += PREFILL_CHUNK
+            first_commit = None
+        rest = tuple(tokens[at:])
+        k = self.top_k if self.top_k is not None else self.vocab_size
+        msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, rest, k, self.params.temperature,
+                                self.params.top_p, rows=min(rows, len(rest))))
+        targets = self.active
+        if not targets:
+            raise FederatedError(self._none_left())
+        self._window = _Window(epoch, start + len(tokens) - rows, rows, time.monotonic() + self.window_timeout_s, targets)
+        async with trio.open_nursery() as n:
+            for link in targets:
+                n.start_soon(self._send_window, link, msgs)
+
+    async def _send_window(self, link: WorkerLink, msgs: list[DraftWindow]) -> None:
+        assert link.stream is not None
+        try:
+            with trio.fail_after(self.window_timeout_s):
+                for m in msgs:
+                    await link.stream.send(m)
+            link.windows_sent += 1
+        except Exception as exc:
+            if link.state == "active":
+                link.state = "failed"
+                link.reason = f"send failed: {type(exc).__name__}: {exc}"
+                self.drops += 1
+                log.warning("federated worker %s dropped: %s", link.peer_id, link.reason)
+            self._notify()
+
+    def _none_left(self) -> str:
+        reasons = "; ".join(f"{link.peer_id} ({link.model}): {link.state} {link.reason}" for link in self.links)
+        return f"no federated worker is left ({reasons})"
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        """Aggregated probabilities [rows, V] for the submitted window, from the workers that met its deadline."""
+        w = self._window
+        if w is None or w.epoch != epoch:
+            raise RuntimeError(f"collect(epoch={epoch}) without a matching submit()")
+        if rows != w.rows:
+            raise ValueError(f"collect asked for {rows} rows but the window was submitted for {w.rows}")
+        key = (w.epoch, w.first_row)
+        with trio.move_on_at(trio.current_time() + max(0.0, w.deadline - time.monotonic())):
+            while True:
+                wake = self._wake
+                if all(key in link.results or link.state != "active" for link in w.targets):
+                    break
+                await wake.wait()
+        t0 = time.perf_counter()
+        self.windows += 1
+        answered: list[tuple[WorkerLink, TopKResult]] = []
+        for link in w.targets:
+            res = link.results.pop(key, None)
+            link.results.clear()  # older answers are stale
+            if res is not None:
+                answered.append((link, res))
+                link.windows_answered += 1
+                link.consecutive_misses = 0
+            elif link.state == "active":
+                link.windows_missed += 1
+                link.consecutive_misses += 1
+                self.misses += 1
+                log.warning("federated worker %s missed the deadline of window (epoch %d, row %d)", link.peer_id, *key)
+                if link.consecutive_misses >= self.max_misses:
+                    link.state = "dropped"
+                    link.reason = f"missed {link.consecutive_misses} window deadlines in a row"
+                    self.drops += 1
+                    log.warning("federated worker %s dropped: %s", link.peer_id, link.reason)
+        if not answered:
+            raise FederatedError(f"no worker answered window (epoch {epoch}, row {w.first_row}): " + self._none_left())
+        dists, weights = [], []
+        for link, res in answered:
+            ids, p = res.arrays()
+            if res.positions != rows:
+                raise FederatedError(f"worker {link.peer_id} answered {res.positions} rows, {rows} expected")
+            link.k = res.k
+            link.rows_received += rows
+            link.eps_sum += float(np.sum(1.0 - p.astype(np.float64).sum(axis=1)))
+            dists.append(reconstruct(ids, p, self.vocab_size, self.method))  # type: ignore[arg-type]
+            weights.append(link.weight)
+        if sum(weights) <= 0:
+            weights = [1.0] * len(weights)
+        probs = torch.from_numpy(aggregate(dists, weights)).to(torch.float32)
+        self.aggregate_s += time.perf_counter() - t0
+        return probs
+
+    def report(self) -> dict[str, Any]:
+        """Federated statistics for `--json`: per-worker bytes, mean eps, K, answers and misses."""
+        workers = [link.report() for link in self.links]
+        rows = sum(link.rows_received for link in self.links)
+        received = sum(link.bytes_received for link in self.links)
+        return {
+            "federated": True,
+            "reconstruct": self.method,
+            "top_k": self.top_k,
+            "vocab_size": self.vocab_size,
+            "windows": self.windows,
+            "missed": self.misses,
+            "dropped": self.drops,
+            "workers": workers,
+            "bytes_received": received,
+            "bytes_sent": sum(link.bytes_sent for link in self.links),
+            "uplink_bytes_per_row": round(received / rows, 2) if rows else None,
+            "full_distribution_bytes_per_row": 4 * self.vocab_size,
+            "aggregate_s": round(self.aggregate_s, 4),
+        }

@@ -1,0 +1,51 @@
+"""The whole target in this process: the one-machine reference backend."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import trio
+
+from dsd.shard_store import HeadModule
+
+log = logging.getLogger(__name__)
+
+
+class LocalBackend:
+    """The whole target on this machine (head + every layer in-process): the one-machine reference.
+
+    Used to measure t0 (one peer's compute for a decoding step) and to check the
+    engine's logic without a network.
+    """
+
+    def __init__(self, head: HeadModule, spans: Sequence) -> None:
+        self.head = head
+        self.spans = list(spans)
+        self.caches = [s.new_cache() for s in self.spans]
+        self._pending: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def _run(self, tokens: Sequence[int], start: int, commit: int) -> torch.Tensor:
+        with torch.inference_mode():
+            for cache in self.caches:
+                cache.truncate(commit)
+            if start != self.length:
+                raise ValueError(f"window starts at {start} but {self.length} tokens are cached")
+            hidden = self.head.embed(torch.tensor([list(tokens)], dtype=torch.long))
+            for span, cache in zip(self.spans, self.caches, strict=True):
+                hidden = span(hidden, start, cache)
+            return hidden[0]
+
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        self._pending = await trio.to_thread.run_sync(self._run, tokens, start, commit)
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        assert self._pending is not None, "collect() before submit()"
+        hidden, self._pending = self._pending, None
+        with torch.inference_mode():
+            return self.head.logits(hidden[-rows:].unsqueeze(0))[0].to(torch.float32)

@@ -1,0 +1,1 @@
+"""The one process every role runs: host (identity + shaper + libp2p + dispatch) and the daemon."""

@@ -1,0 +1,102 @@
+"""The head engine's target backend over a route of block peers (with failover replay)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import trio
+
+from dsd.shard_store import HeadModule
+
+from .errors import RouteError
+from .keeper import RouteKeeper
+from .session import RouteSession
+
+log = logging.getLogger(__name__)
+
+
+class RouteBackend:
+    """DSD over a route of block peers: embed on the head, layers on the peers, logits on the head.
+
+    Only hidden states cross the wire, and the head computes the target logits
+    itself, so verification sees exactly the target's distribution. The backend
+    remembers every token it has placed in the peers' caches; when a `RouteKeeper`
+    replaces a failed route, it replays them into the new peers (in chunks) and
+    re-sends the window, so the engine never notices beyond the delay.
+    """
+
+    def __init__(self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128) -> None:
+        self.head = head
+        self.keeper = keeper
+        self.timeout_s = timeout_s
+        self.replay_chunk = replay_chunk
+        self._limiter = trio.CapacityLimiter(1)
+        self.head_compute_s = 0.0
+        self._tokens: list[int] = []  # token at each position the peers hold (or are computing)
+        self._failure: RouteError | None = None
+
+    @property
+    def session(self) -> RouteSession:
+        assert self.keeper.session is not None
+        return self.keeper.session
+
+    def _embed(self, tokens: Sequence[int]) -> np.ndarray:
+        with torch.inference_mode():
+            ids = torch.tensor([list(tokens)], dtype=torch.long)
+            return self.head.embed(ids)[0].to(torch.float32).numpy()
+
+    def _logits(self, hidden: np.ndarray, rows: int) -> torch.Tensor:
+        with torch.inference_mode():
+            h = torch.from_numpy(np.ascontiguousarray(hidden[-rows:], dtype=np.float32)).unsqueeze(0)
+            return self.head.logits(h)[0].to(torch.float32)
+
+    async def _send(self, tokens: Sequence[int], start: int, commit: int | None, epoch: int) -> None:
+        t0 = time.perf_counter()
+        hidden = await trio.to_thread.run_sync(self._embed, tokens, limiter=self._limiter)
+        self.head_compute_s += time.perf_counter() - t0
+        await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch)
+
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
+        """Send a window; a long one (a prompt) goes in chunks, all but the last awaited here."""
+        self._tokens = self._tokens[:start] + list(tokens)
+        self._failure = None
+        try:
+            at = start
+            while len(tokens) - (at - start) > self.replay_chunk:
+                await self._send(tokens[at - start : at - start + self.replay_chunk], at, at if at > start else commit, epoch)
+                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+                at += self.replay_chunk
+            await self._send(tokens[at - start :], at, at if at > start else commit, epoch)
+        except RouteError as exc:
+            self._failure = exc  # handled in collect(): fail over, replay everything, re-send the window
+
+    async def _replay(self, epoch: int) -> None:
+        """Fill a fresh route's caches with every held token; the last chunk's result is the window's."""
+        for at in range(0, len(self._tokens), self.replay_chunk):
+            chunk = self._tokens[at : at + self.replay_chunk]
+            await self._send(chunk, at, at, epoch)
+            if at + len(chunk) < len(self._tokens):
+                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        while True:
+            if self._failure is None:
+                try:
+                    _, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+                    break
+                except RouteError as exc:
+                    self._failure = exc
+            failure, self._failure = self._failure, None
+            await self.keeper.replace(failure)
+            try:
+                await self._replay(epoch)
+            except RouteError as exc:
+                self._failure = exc
+        t0 = time.perf_counter()
+        logits = await trio.to_thread.run_sync(self._logits, hidden, rows, limiter=self._limiter)
+        self.head_compute_s += time.perf_counter() - t0
+        return logits

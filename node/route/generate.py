@@ -1,0 +1,79 @@
+"""One generation over the swarm: plan a route, open a session, run the head engine, report."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from dsd.discovery.host import P2PNode
+from dsd.discovery.planner import NoRouteError
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.setup import HeadSetup
+from dsd.protocol import Hop, WireFormat
+
+from .backend import RouteBackend
+from .errors import RouteError
+from .keeper import Blacklist, RouteKeeper
+from .legs import ReturnLegs
+
+log = logging.getLogger(__name__)
+
+
+def plan_hops(plan) -> list[Hop]:
+    """The planner's hops as protocol hops (peer, addresses, the span each serves for us)."""
+    return list(plan.protocol_hops())
+
+
+class GenerationFailed(Exception):
+    """Generation stopped (no route left, too many failovers); `tokens` holds what was generated."""
+
+    def __init__(self, cause: Exception, tokens: list[int], report: dict) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.tokens = tokens
+        self.report = report
+
+
+async def generate_once(
+    node: P2PNode,
+    legs: ReturnLegs,
+    setup: HeadSetup,
+    prompt: Sequence[int],
+    cfg: GenerationConfig,
+    *,
+    hops: list[Hop] | None = None,
+    wire: WireFormat | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    tokenizer=None,
+    blacklist: Blacklist | None = None,
+) -> dict:
+    """Generate once over a planned route (failing over when a peer fails); returns the `--json` report."""
+    max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
+    keeper = RouteKeeper(
+        node, legs, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire, hops=hops,
+        blacklist=blacklist,
+    )
+    async with keeper:
+        backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s)
+        engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
+
+        def traffic() -> dict:
+            s = keeper.session
+            return {
+                "route": [h.peer_id for h in s.hops] if s else [],
+                "spans": [[h.start, h.end] for h in s.hops] if s else [],
+                "bytes_sent": keeper.bytes_sent,
+                "bytes_received": keeper.bytes_received,
+                "head_compute_s": round(backend.head_compute_s, 4),
+                "failovers": len(keeper.events),
+                "failover_s": [round(e.seconds, 3) for e in keeper.events],
+                "failover_blamed": [e.blamed for e in keeper.events],
+            }
+
+        try:
+            result = await engine.generate(prompt, on_tokens=on_tokens)
+        except (RouteError, NoRouteError) as exc:
+            raise GenerationFailed(exc, list(engine.progress), traffic()) from exc
+        report = result.as_dict()
+        report.update(traffic())
+    return report

@@ -1,0 +1,1 @@
+"""Serving heads: the session ledger (limits, admission, KV budget) and the block server."""

@@ -1,0 +1,1 @@
+"""Local multi-process swarms, calibration and workloads."""

@@ -1,0 +1,196 @@
+"""Bringing up a local swarm: a bootstrap node plus block peers or federated workers, as real processes.
+
+One bring-up path for both kinds: start the bootstrap, spawn the daemons, wait for
+their ready files, save the state (so `down` works even if the wait fails), then wait
+until a head can use the swarm (a complete route, or every worker announced).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from dsd.discovery.survey import wait_for_route
+from dsd.node.federated.pool import find_workers, pool_key
+from dsd.node.peer.host import head_node
+from dsd.node.peer.shaper import LinkProfile
+from dsd.shard_store import Store
+
+from .processes import (
+    PeerProcess,
+    TestnetState,
+    even_spans,
+    pid_alive,
+    spawn,
+    stop_processes,
+    wait_ready,
+)
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be brought up as asked (bad options, a testnet already running, mixed vocabularies)."""
+
+
+@dataclass
+class SwarmSpec:
+    """What `testnet up` starts: block peers over one store, or one federated worker per store."""
+
+    state: Path
+    store: Path | None = None
+    peers: int = 4
+    replicas: int = 1
+    threads: int = 1
+    codec: str = "raw"
+    record_ttl_s: float = 30.0
+    timeout_s: float = 180.0
+    link: LinkProfile = field(default_factory=LinkProfile)
+    federated: bool = False
+    worker_stores: list[Path] = field(default_factory=list)  # federated: one worker each (default: store)
+    topk_cap: int | None = None
+    topk_codec: str = "fp16"
+
+
+def prepare_state_dir(state_dir: Path) -> Path:
+    """Create the state directory (refusing one whose testnet still runs); returns its empty ready/ folder."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        old = TestnetState.load(state_dir)
+        if any(pid_alive(p.pid) for p in old.peers):
+            raise SwarmError(f"a testnet already runs from {state_dir}; `dsd-node testnet down --state {state_dir}` first")
+    except FileNotFoundError:
+        pass
+    ready_dir = state_dir / "ready"
+    ready_dir.mkdir(exist_ok=True)
+    for f in ready_dir.glob("*.json"):
+        f.unlink()
+    return ready_dir
+
+
+class _Launch:
+    """The processes of one bring-up, so that a failure anywhere stops every one already started."""
+
+    def __init__(self, spec: SwarmSpec) -> None:
+        self.spec = spec
+        self.ready_dir = prepare_state_dir(spec.state)
+        self.started: list[PeerProcess] = []
+        self.t0 = time.monotonic()
+
+    def left(self) -> float:
+        return max(1.0, self.spec.timeout_s - (time.monotonic() - self.t0))
+
+    def spawn(self, name: str, args: list[str]) -> PeerProcess:
+        common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
+                  "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args()]
+        proc = spawn(name, [*args, *common], self.spec.state)
+        self.started.append(proc)
+        return proc
+
+    def bootstrap(self) -> PeerProcess:
+        boot = self.spawn("bootstrap", ["start", "--bootstrap-only"])
+        info = wait_ready(self.ready_dir / "bootstrap.json", boot, self.left())
+        boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+        return boot
+
+    def await_peers(self) -> None:
+        """Wait for every daemon after the bootstrap to write its ready file; record its id, address and span."""
+        for proc in self.started[1:]:
+            info = wait_ready(self.ready_dir / f"{proc.name}.json", proc, self.left())
+            proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
+            proc.start, proc.end = info.get("start", proc.start), info.get("end", proc.end)
+
+    def record_up(self, state: TestnetState, wait: Callable[[float], None]) -> TestnetState:
+        """Save the state (so `down` works even if waiting fails), wait until usable, save again."""
+        state.save(self.spec.state)
+        wait(self.left())
+        state.up_seconds = round(time.monotonic() - self.t0, 3)
+        state.save(self.spec.state)
+        return state
+
+
+def bring_up(spec: SwarmSpec) -> TestnetState:
+    """Start the processes, wait until a head can use the swarm, return the state (stopping all on failure)."""
+    if spec.federated:
+        stores = spec.worker_stores or ([spec.store] if spec.store else [])
+        if not stores:
+            raise SwarmError("testnet up --federated needs --store (and optionally --store2) or --worker-stores")
+        vocabs = {str(s): int(Store(s).manifest.vocab_size) for s in stores}
+        if len(set(vocabs.values())) != 1:
+            raise SwarmError(f"federated workers must share the vocabulary, got {vocabs}")
+    elif spec.store is None:
+        raise SwarmError("testnet up needs --store")
+    elif spec.peers < 1 or spec.replicas < 1 or spec.peers % spec.replicas:
+        raise SwarmError("--peers must be a positive multiple of --replicas")
+    launch = _Launch(spec)
+    try:
+        boot = launch.bootstrap()
+        if spec.federated:
+            return _up_workers(launch, boot, stores, next(iter(vocabs.values())))
+        return _up_blocks(launch, boot)
+    except BaseException:
+        stop_processes([p.pid for p in reversed(launch.started)])
+        raise
+
+
+def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:
+    spec = launch.spec
+    assert spec.store is not None
+    manifest = Store(spec.store).manifest
+    num_layers = int(manifest.num_layers)
+    spans = even_spans(num_layers, spec.peers // spec.replicas)
+    for i in range(spec.peers):
+        start, end = spans[i // spec.replicas]
+        proc = launch.spawn(f"peer{i}", [
+            "start", "--store", str(spec.store), "--blocks", f"{start}:{end}", "--bootstrap", boot.multiaddr,
+            "--threads", str(spec.threads), "--codec", spec.codec, "--record-ttl", str(spec.record_ttl_s),
+        ])
+        proc.start, proc.end = start, end
+    launch.await_peers()
+    state = TestnetState(bootstrap=boot.multiaddr, model=manifest.model_id, store=str(spec.store),
+                         num_layers=num_layers, peers=launch.started, wan=spec.link.as_dict())
+    return launch.record_up(state, lambda left: trio.run(_wait_route, state, left))
+
+
+def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: int) -> TestnetState:
+    spec = launch.spec
+    for i, store in enumerate(stores):
+        extra = ["--topk-cap", str(spec.topk_cap)] if spec.topk_cap else []
+        proc = launch.spawn(f"worker{i}", [
+            "start", "--federated", "--store", str(store), "--bootstrap", boot.multiaddr,
+            "--threads", str(spec.threads), "--record-ttl", str(spec.record_ttl_s), "--topk-codec", spec.topk_codec,
+            *extra,
+        ])
+        proc.role = "federated"
+    launch.await_peers()
+    state = TestnetState(bootstrap=boot.multiaddr, model=pool_key(vocab), store=",".join(str(s) for s in stores),
+                         num_layers=None, peers=launch.started, wan=spec.link.as_dict())
+    return launch.record_up(state, lambda left: trio.run(_wait_workers, state, vocab, left))
+
+
+async def _wait_workers(state: TestnetState, vocab: int, timeout_s: float) -> None:
+    want = {p.peer_id for p in state.peers if p.role == "federated"}
+    async with head_node([state.bootstrap]) as (node, _legs):
+        with trio.move_on_after(timeout_s):
+            while True:
+                if want <= {w.peer_id for w in await find_workers(node, vocab)}:
+                    return
+                await trio.sleep(0.5)
+    raise TimeoutError(f"federated workers not all announced after {timeout_s:.0f} s")
+
+
+async def _wait_route(state: TestnetState, timeout_s: float) -> None:
+    async with head_node([state.bootstrap]) as (node, _legs):
+        await wait_for_route(node, state.model or "", state.num_layers or 0, timeout_s)
+
+
+def state_report(state: TestnetState) -> dict:
+    """The state as `testnet status --json` prints it, with each process's liveness."""
+    from dataclasses import asdict
+
+    d = asdict(state)
+    for p in d["peers"]:
+        p["alive"] = pid_alive(p["pid"])
+    return d
