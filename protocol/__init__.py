@@ -1,10 +1,10 @@
-"""Sans-IO wire protocol: messages, framing, tensor and top-K codecs.
+"""Sans-IO wire protocol: messages, framing, session rules, tensor and top-K codecs.
 
 Bytes in, typed messages out, or a `ProtocolError` naming the field that was wrong.
 No sockets, no event loop, no model code.
 """
 
-from .errors import ProtocolError
+from .errors import ProtocolError, SessionRuleError
 from .framing import FrameDecoder, decode_body, encode
 from .limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, check_version, parse_version
 from .messages import (
@@ -25,6 +25,8 @@ from .messages import (
     TopKResult,
     Truncate,
 )
+from .records import RECORDS_LIMITS, RecordsFound, RecordsGet, RecordsPut, RecordsStored
+from .session import SessionState
 from .tensors import CODECS, WireFormat, WireTensor, decode_tensor, encode_tensor
 from .topk import aggregate, decode_ids, encode_ids, reconstruct, topk_from_probs
 
@@ -34,6 +36,7 @@ __all__ = [
     "ERROR_CODES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "RECORDS_LIMITS",
     "Ack",
     "CloseSession",
     "DraftWindow",
@@ -48,7 +51,13 @@ __all__ = [
     "Ping",
     "Pong",
     "ProtocolError",
+    "RecordsFound",
+    "RecordsGet",
+    "RecordsPut",
+    "RecordsStored",
     "Result",
+    "SessionRuleError",
+    "SessionState",
     "TopKResult",
     "Truncate",
     "WireFormat",

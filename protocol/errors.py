@@ -1,4 +1,4 @@
-"""The one exception the wire layer raises: `ProtocolError`, naming the field that was wrong."""
+"""The wire layer's exceptions: `ProtocolError`, naming the field that was wrong, and its `SessionRuleError`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ VERSION = "version"
 LIMIT = "limit"
 BAD_TENSOR = "bad_tensor"
 BAD_REQUEST = "bad_request"
+UNKNOWN_SESSION = "unknown_session"
 
 
 class ProtocolError(Exception):
@@ -18,3 +19,14 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         super().__init__(f"{field}: {message}" if field else message)
+
+
+class SessionRuleError(ProtocolError):
+    """A well-formed message that breaks a session rule (see `session.SessionState`); it ends the session.
+
+    `.code` is the `Error` code to answer with (bad_request, limit or unknown_session), `.field`
+    the message field at fault and `.message` the human text the peer sends.
+    """
+
+    def __init__(self, message: str, field: str, code: str) -> None:
+        super().__init__(message, field, code)

@@ -393,19 +393,29 @@ def _code(v: Any, f: str, lim: Limits) -> str:
     return check_ident(v, f)
 
 
+def _opt_peer(v: Any, f: str, lim: Limits) -> str | None:
+    return None if v is None else check_str(v, f, lim.max_str)
+
+
 @dataclass(frozen=True)
 class Error(Message):
-    """A refusal or failure: `code` (see ERROR_CODES) and a human message; too long a message is cut at build time."""
+    """A refusal or failure: `code` (see ERROR_CODES), a human message and the peer to `blame` (if known).
+
+    `blame` is the peer id at fault as the reporter sees it (itself, its next hop, its upstream);
+    heads act on it instead of parsing the message. Too long a message is cut at build time.
+    """
 
     TYPE: ClassVar[str] = "error"
     FIELDS: ClassVar[tuple[_Field, ...]] = (
         _Field("code", _code),
         _Field("message", _text),
         _Field("session", _opt_session, optional=True),
+        _Field("blame", _opt_peer, optional=True),
     )
     code: str
     message: str
     session: str | None = None
+    blame: str | None = None
 
     def __post_init__(self) -> None:
         cap = DEFAULT_LIMITS.max_str

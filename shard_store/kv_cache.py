@@ -1,12 +1,15 @@
-"""Per-span KV cache: appends a window's keys/values and truncates back exactly (rejected drafts)."""
+"""Per-span KV cache: appends a window's keys/values, truncates back exactly (rejected chain drafts)
+and keeps an accepted root-to-node path of a token-tree window (compaction in place)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .errors import StoreError
+from .tree import check_path
 
 
 class SpanCache:
@@ -15,6 +18,7 @@ class SpanCache:
     Buffers grow by doubling and `truncate` only moves the length, so dropping rejected drafts is
     O(1) and exact: entries >= length are never read again. Transformers' attention calls
     `update(k, v, layer_idx)` with the absolute layer index; the cache maps it to its own slot.
+    The last window (start, size, parents) is remembered so `keep` can check an accepted path.
     """
 
     def __init__(self, start: int, end: int, max_length: int | None = None) -> None:
@@ -29,6 +33,9 @@ class SpanCache:
         self._values: list[torch.Tensor | None] = [None] * (end - start)
         self._length = 0
         self._pending = 0  # tokens of the window being appended (0 outside a forward)
+        self._pending_parents: list[int] | None = None
+        # (start, nodes, parents or None for a chain) of the last appended window while it is intact
+        self._window: tuple[int, int, list[int] | None] | None = None
 
     @property
     def length(self) -> int:
@@ -50,24 +57,61 @@ class SpanCache:
             raise StoreError(f"cache truncate length must be a non-negative int, got {n!r}")
         if n > self._length:
             raise StoreError(f"cannot truncate cache to {n}: it holds only {self._length} positions")
+        if n < self._length:
+            self._window = None
         self._length = n
 
-    def begin(self, tokens: int) -> None:
-        """Start appending a window of `tokens` positions (called by SpanModule before its layers run)."""
+    def keep(self, prefix_len: int, rows: Sequence[int]) -> None:
+        """Commit an accepted path of the last window: keep positions [0, prefix_len) plus the given
+        window rows (node indices from the window's start, root first), dropping every other row.
+
+        With rows, prefix_len must be the last window's start and rows a root-to-node path of it;
+        the rows are copied down inside the buffers (no recomputation) and the length becomes
+        prefix_len + len(rows). Without rows this is truncate(prefix_len).
+        """
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
+            raise StoreError(f"cache keep prefix length must be a non-negative int, got {prefix_len!r}")
+        if hasattr(rows, "tolist"):
+            rows = rows.tolist()
+        if isinstance(rows, Sequence) and len(rows) == 0:
+            self.truncate(prefix_len)
+            return
+        if self._window is None:
+            raise StoreError("cache keep: no intact window to keep rows from (it was truncated or already kept)")
+        start, nodes, parents = self._window
+        if prefix_len != start:
+            raise StoreError(f"cache keep: prefix length {prefix_len} != the last window's start {start}")
+        path = check_path(parents, nodes, rows)
+        if path != list(range(len(path))):  # a prefix of the window is already in place
+            for bufs in (self._keys, self._values):
+                for buf in bufs:
+                    if buf is not None:
+                        index = torch.tensor(path, dtype=torch.long, device=buf.device) + start
+                        buf[:, :, start : start + len(path)] = buf.index_select(2, index)
+        self._length = start + len(path)
+        self._window = None
+
+    def begin(self, tokens: int, parents: list[int] | None = None) -> None:
+        """Start appending a window of `tokens` positions (called by SpanModule before its layers run);
+        `parents` is the checked tree of the window, None for a chain."""
         if self.max_length is not None and self._length + tokens > self.max_length:
             raise StoreError(
                 f"cache full: {self._length} + {tokens} positions exceed max_length {self.max_length}"
             )
         self._pending = tokens
+        self._pending_parents = parents
 
     def commit(self) -> None:
         """Make the window appended since begin() part of the cache."""
+        self._window = (self._length, self._pending, self._pending_parents)
         self._length += self._pending
         self._pending = 0
+        self._pending_parents = None
 
     def abort(self) -> None:
         """Forget a half-appended window (a layer failed): the cache stays at its old length."""
         self._pending = 0
+        self._pending_parents = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

@@ -1,11 +1,12 @@
 """Runtime modules built from a store: the head (embeddings, final norm, lm_head) and a layer span.
 
 Both reuse transformers' own decoder-layer, RMSNorm and rotary classes; only the glue (positions,
-causal mask, per-span cache) lives here.
+causal or token-tree mask, per-span cache) lives here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from .errors import StoreError
 from .families import FamilyAdapter
 from .kv_cache import SpanCache
+from .tree import check_parents, is_chain, tree_mask, tree_position_ids
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -122,9 +124,25 @@ class SpanModule(nn.Module):
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
 
+    def _tree_mask(self, kind: str, start_pos: int, parents: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Additive ancestor-only mask of a tree window for one attention kind."""
+        window = None
+        if kind == "sliding_attention":
+            if not self._sliding_window:
+                raise StoreError("sliding_attention layer but config.sliding_window is not set")
+            window = int(self._sliding_window)
+        return tree_mask(start_pos, parents, hidden.dtype, sliding_window=window, device=hidden.device)
+
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, start_pos: int, cache: SpanCache) -> torch.Tensor:
-        """Run the window (positions start_pos..start_pos+t-1) through the span, appending its K/V."""
+    def forward(
+        self, hidden: torch.Tensor, start_pos: int, cache: SpanCache, parents: Sequence[int] | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the window through the span, appending its K/V.
+
+        parents None: a chain at positions start_pos..start_pos+t-1 (causal mask). Otherwise a token
+        tree (see shard_store.tree): node i at start_pos + depth(i), attending to the cache and its
+        ancestors only; every node's K/V is appended and `cache.keep` later commits one path.
+        """
         if not isinstance(cache, SpanCache) or (cache.start, cache.end) != (self.start, self.end):
             raise StoreError(f"span [{self.start}, {self.end}) needs a cache from its own new_cache()")
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
@@ -138,11 +156,22 @@ class SpanModule(nn.Module):
                 f"span forward: start_pos {start_pos} != cache length {cache.length} "
                 "(truncate the cache first, or send the missing positions)"
             )
+        tree: list[int] | None = None
+        if parents is not None:
+            tree = check_parents(parents)
+            if len(tree) != t:
+                raise StoreError(f"span forward: tree has {len(tree)} parents but the window has {t} tokens")
+            if is_chain(tree):
+                tree = None  # exactly the chain path: same mask, positions and kernels
         hidden = hidden.to(self.dtype)
-        position_ids = torch.arange(start_pos, start_pos + t).unsqueeze(0).expand(b, t)
+        if tree is None:
+            position_ids = torch.arange(start_pos, start_pos + t).unsqueeze(0).expand(b, t)
+            masks = {kind: self._mask(kind, start_pos, t, hidden.dtype) for kind in set(self._layer_types)}
+        else:
+            position_ids = tree_position_ids(start_pos, tree, device=hidden.device).expand(b, t)
+            masks = {kind: self._tree_mask(kind, start_pos, tree, hidden) for kind in set(self._layer_types)}
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        masks = {kind: self._mask(kind, start_pos, t, hidden.dtype) for kind in set(self._layer_types)}
-        cache.begin(t)
+        cache.begin(t, tree)
         try:
             for layer, kind in zip(self.layers, self._layer_types, strict=True):
                 hidden = layer(

@@ -64,6 +64,7 @@ def _samples() -> list[Message]:
         CloseSession("sess"),
         Ack("sess", 9),
         Error("busy", "too many sessions", "sess"),
+        Error("unreachable", "QmPeer: next hop QmNext unreachable", "sess", "QmNext"),
         Ping(99, b"\x00\x01payload"),
         Pong(2**64 - 1),
         DraftWindow("sess", 0, 3, 3, (151_000, 2, 77), 320, 0.8, 0.95),

@@ -103,7 +103,7 @@ messages = st.one_of(
     st.builds(Truncate, names, positions),
     st.builds(CloseSession, names),
     st.builds(Ack, names, positions),
-    st.builds(Error, st.sampled_from(["busy", "limit", "unknown_session", "internal"]), texts, st.none() | names),
+    st.builds(Error, st.sampled_from(["busy", "limit", "unknown_session", "internal"]), texts, st.none() | names, st.none() | names),
     st.builds(Ping, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
     st.builds(Pong, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
     st.builds(
@@ -254,6 +254,22 @@ def test_error_message_is_cut_not_refused() -> None:
     err = Error("internal", "boom " * 1000, "s")
     assert len(err.message) == Limits().max_str
     assert FrameDecoder().feed(encode(err)) == [err]
+
+
+def test_error_blame_is_optional_on_the_wire_and_checked() -> None:
+    err = Error("unreachable", "A: next hop B unreachable", "s", "B")
+    assert FrameDecoder().feed(encode(err)) == [err]
+    body = err.to_wire()
+    assert body["blame"] == "B"
+    del body["blame"]  # an older peer sends none
+    assert FrameDecoder().feed(_frame(body)) == [Error("unreachable", "A: next hop B unreachable", "s")]
+    for bad in (7, "", "x" * (Limits().max_str + 1)):
+        body["blame"] = bad
+        with pytest.raises(ProtocolError) as ei:
+            FrameDecoder().feed(_frame(body))
+        assert ei.value.field == "Error.blame"
+    with pytest.raises(ProtocolError, match="Error.blame"):
+        Error("internal", "boom", None, "")
 
 
 def test_limits_apply_on_both_sides() -> None:

@@ -31,7 +31,13 @@ from dsd.discovery.framing import FramedStream, LinkError, close_quietly, send_q
 from dsd.discovery.host import P2PNode
 from dsd.discovery.records import PeerRecord
 from dsd.node.head.sampling import SamplingParams, warp
-from dsd.node.server.ledger import ServerLimits, SessionError
+from dsd.node.server.ledger import (
+    Ledger,
+    ServerLimits,
+    SessionError,
+    measure_throughput,
+    receive_within,
+)
 from dsd.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -41,6 +47,8 @@ from dsd.protocol import (
     Hello,
     OpenSession,
     ProtocolError,
+    SessionRuleError,
+    SessionState,
     TopKResult,
     Truncate,
     topk_from_probs,
@@ -57,14 +65,20 @@ PROB_CODECS = ("fp16", "bf16", "fp32")
 
 @dataclass
 class WorkerSession:
-    """One server's session on this worker: its KV cache over the whole model."""
+    """One server's session on this worker: its rule state and KV cache over the whole model."""
 
-    id: str
-    max_len: int
+    state: SessionState
     cache: Any
-    epoch: int = 0
     windows: int = 0
     opened_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return self.state.id
+
+    @property
+    def max_len(self) -> int:
+        return self.state.max_len
 
 
 def window_topk(
@@ -120,14 +134,18 @@ class FederatedWorker:
         self.prob_codec = prob_codec
         self.limits = limits or ServerLimits()
         self.sessions: dict[str, WorkerSession] = {}
-        self.reserved_tokens = 0
+        self.ledger = Ledger(self.limits, "worker")
         self.windows_served = 0
         self.throughput = 1.0
         self._compute = trio.CapacityLimiter(1)
 
     @property
     def cache_tokens_left(self) -> int:
-        return max(0, self.limits.kv_budget_tokens - self.reserved_tokens)
+        return self.ledger.cache_tokens_left
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.ledger.reserved_tokens
 
     def hello(self) -> Hello:
         """This worker described: model id and capabilities vocab:V, topk_cap:K, layers:L."""
@@ -154,11 +172,7 @@ class FederatedWorker:
         def step(pos: int) -> None:
             window_topk(self.head, self.span, cache, [1], pos, rows=1, top_k=1, temperature=1.0)
 
-        await trio.to_thread.run_sync(step, 0, limiter=self._compute)
-        t0 = time.perf_counter()
-        for i in range(repeats):
-            await trio.to_thread.run_sync(step, i + 1, limiter=self._compute)
-        self.throughput = repeats / max(time.perf_counter() - t0, 1e-9)
+        self.throughput = await measure_throughput(step, self._compute, repeats=repeats)
         return self.throughput
 
     # --- protocol ---------------------------------------------------------
@@ -166,6 +180,7 @@ class FederatedWorker:
     async def serve(self, stream: FramedStream, remote: str) -> None:
         """Handle one `/dsd/federated/1` stream: optional Hello, then one session until close or error."""
         session: WorkerSession | None = None
+        me = self.node.peer_id
         try:
             with trio.fail_after(self.limits.open_timeout_s):
                 first = await stream.receive()
@@ -174,26 +189,26 @@ class FederatedWorker:
                     first = await stream.receive()
             if not isinstance(first, OpenSession):
                 raise SessionError("bad_request", f"a session must start with OpenSession, got {type(first).__name__}")
-            session = self._open(first)
+            session = self._open(first, remote)
             log.info("federated session %s open from %s (max_len %d)", session.id, remote, session.max_len)
             await stream.send(Ack(session.id, 0))
             await self._session_loop(session, stream)
-        except SessionError as exc:
+        except (SessionError, SessionRuleError) as exc:
             log.info("federated stream from %s ended with error: %s", remote, exc.message)
-            await send_quietly(stream, Error(exc.code, exc.message, session.id if session else None))
+            await send_quietly(stream, Error(exc.code, exc.message, session.id if session else None, me))
         except (trio.TooSlowError, EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("federated stream from %s gone: %r", remote, exc)
             if isinstance(exc, ProtocolError):
-                await send_quietly(stream, Error("bad_frame", str(exc), session.id if session else None))
+                await send_quietly(stream, Error("bad_frame", str(exc), session.id if session else None, me))
         except Exception as exc:
             log.exception("federated session from %s failed", remote)
-            await send_quietly(stream, Error("internal", f"{type(exc).__name__}: {exc}", session.id if session else None))
+            await send_quietly(stream, Error("internal", f"{type(exc).__name__}: {exc}", session.id if session else None, me))
         finally:
             if session is not None:
                 self._release(session)
             await close_quietly(stream)
 
-    def _open(self, msg: OpenSession) -> WorkerSession:
+    def _open(self, msg: OpenSession, remote: str) -> WorkerSession:
         if msg.model not in (self.model_id, pool_key(self.vocab_size)):
             raise SessionError(
                 "bad_request", f"this worker serves {self.model_id!r} (pool {pool_key(self.vocab_size)!r}), not {msg.model!r}"
@@ -204,68 +219,46 @@ class FederatedWorker:
             )
         if msg.route:
             raise SessionError("bad_request", "a federated session has no route (it answers on its own stream)")
-        if msg.session in self.sessions:
+        if msg.session in self.ledger:
             raise SessionError("bad_request", f"session {msg.session} is already open here")
-        if msg.max_len > self.limits.max_len:
-            raise SessionError("limit", f"max_len {msg.max_len} exceeds this worker's limit {self.limits.max_len}")
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise SessionError("busy", f"session limit reached ({self.limits.max_sessions})")
-        if msg.max_len > self.cache_tokens_left:
-            raise SessionError("busy", f"KV budget exhausted: {self.cache_tokens_left} tokens left, {msg.max_len} asked")
-        self.reserved_tokens += msg.max_len
-        session = WorkerSession(msg.session, msg.max_len, self.span.new_cache())
+        self.ledger.admit(msg.session, remote, msg.max_len)
+        state = SessionState(msg.session, msg.max_len, self.limits.max_window)
+        session = WorkerSession(state, self.span.new_cache())
         self.sessions[msg.session] = session
         return session
 
     def _release(self, session: WorkerSession) -> None:
-        if self.sessions.pop(session.id, None) is not None:
-            self.reserved_tokens -= session.max_len
+        self.sessions.pop(session.id, None)
+        if self.ledger.release(session.id):
             log.info("federated session %s closed after %d windows", session.id, session.windows)
 
     async def _session_loop(self, session: WorkerSession, stream: FramedStream) -> None:
         while True:
-            with trio.move_on_after(self.limits.idle_timeout_s) as idle:
-                try:
-                    msg = await stream.receive()
-                except EOFError:
-                    return
-            if idle.cancelled_caught:
-                raise SessionError("idle", f"session idle for {self.limits.idle_timeout_s:.0f} s: closed")
-            if getattr(msg, "session", session.id) != session.id:
-                raise SessionError("unknown_session", f"unknown session {msg.session!r} on the stream of session {session.id}")
+            try:
+                msg = await receive_within(stream, self.limits.idle_timeout_s)
+            except EOFError:
+                return
+            session.state.check(getattr(msg, "session", session.id))
             if isinstance(msg, DraftWindow):
                 reply = await self._window(session, msg)
                 if reply is not None:
                     with trio.fail_after(self.limits.send_timeout_s):
                         await stream.send(reply)
             elif isinstance(msg, Truncate):
-                self._truncate(session, msg.length)
+                session.cache.truncate(session.state.truncate(msg.session, msg.length))
                 await stream.send(Ack(session.id, msg.length))
             elif isinstance(msg, CloseSession):
                 return
             else:
                 raise SessionError("bad_request", f"unexpected {type(msg).__name__} in an open federated session")
 
-    @staticmethod
-    def _truncate(session: WorkerSession, length: int) -> None:
-        if length > session.cache.length:
-            raise SessionError("bad_request", f"cannot truncate to {length}: only {session.cache.length} tokens are cached")
-        session.cache.truncate(length)
-
     async def _window(self, session: WorkerSession, msg: DraftWindow) -> TopKResult | None:
-        if msg.epoch < session.epoch:
-            log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.epoch)
-            return None
-        session.epoch = msg.epoch
-        if msg.commit is not None:
-            self._truncate(session, msg.commit)
-        if msg.start != session.cache.length:
-            raise SessionError("bad_request", f"window starts at {msg.start} but {session.cache.length} tokens are cached")
         n = len(msg.tokens)
-        if n > self.limits.max_window:
-            raise SessionError("limit", f"window of {n} tokens (allowed 1..{self.limits.max_window})")
-        if msg.start + n > session.max_len:
-            raise SessionError("limit", f"position {msg.start + n} is past the session's max_len {session.max_len}")
+        keep = session.state.forward(msg.session, msg.epoch, msg.start, msg.commit, n)
+        if keep is None:
+            log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.state.epoch)
+            return None
+        session.cache.truncate(keep)
         bad = next((t for t in msg.tokens if t >= self.vocab_size), None)
         if bad is not None:
             raise SessionError("bad_request", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -32,6 +32,8 @@ from dsd.protocol import (
     OpenSession,
     ProtocolError,
     Result,
+    SessionRuleError,
+    SessionState,
     Truncate,
     WireFormat,
     decode_tensor,
@@ -39,27 +41,33 @@ from dsd.protocol import (
 from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import SpanModule, Store
 
-from .ledger import ServerLimits, SessionError
+from .ledger import Ledger, ServerLimits, SessionError, measure_throughput, receive_within
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Session:
-    """One inference session on this peer: its KV cache and the stream to the next hop."""
+    """One inference session on this peer: its rule state, KV cache and the stream to the next hop."""
 
-    id: str
-    max_len: int
+    state: SessionState
     span: SpanModule
     cache: Any
     downstream: FramedStream
     last_hop: bool
     next_peer: str = ""
     remote: str = ""
-    epoch: int = 0
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.state.id
+
+    @property
+    def max_len(self) -> int:
+        return self.state.max_len
 
 
 class BlockServer:
@@ -84,8 +92,8 @@ class BlockServer:
         self.span: SpanModule = store.load_span(start, end)
         self.hidden_size = int(store.manifest.hidden_size)
         self.sessions: dict[tuple[str, int], Session] = {}
+        self.ledger = Ledger(self.limits, "peer")
         self._subspans: dict[tuple[int, int], SpanModule] = {(start, end): self.span}
-        self.reserved_tokens = 0
         self._compute = trio.CapacityLimiter(1)
         self.windows_served = 0
         self.closing = False
@@ -95,7 +103,11 @@ class BlockServer:
 
     @property
     def cache_tokens_left(self) -> int:
-        return max(0, self.limits.kv_budget_tokens - self.reserved_tokens)
+        return self.ledger.cache_tokens_left
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.ledger.reserved_tokens
 
     def records(self) -> list[PeerRecord]:
         """This span as announced in the DHT (called at every refresh, so free cache stays current)."""
@@ -120,24 +132,27 @@ class BlockServer:
         """Decode-step tokens per second of this span, measured on a scratch cache."""
         cache = self.span.new_cache()
         hidden = np.random.default_rng(0).standard_normal((tokens, self.hidden_size)).astype(np.float32)
-        await trio.to_thread.run_sync(self._run_span, self.span, hidden, 0, cache, limiter=self._compute)
-        t0 = time.perf_counter()
-        for i in range(repeats):
-            await trio.to_thread.run_sync(self._run_span, self.span, hidden, (i + 1) * tokens, cache, limiter=self._compute)
-        self.throughput = repeats * tokens / max(time.perf_counter() - t0, 1e-9)
+
+        def step(i: int) -> None:
+            self._run_span(self.span, hidden, i * tokens, cache)
+
+        self.throughput = await measure_throughput(step, self._compute, tokens=tokens, repeats=repeats)
         return self.throughput
 
     # --- protocol ---------------------------------------------------------
 
     async def serve(self, upstream: FramedStream, remote: str, first: OpenSession) -> None:
         """Run one session from its `OpenSession` until close, error, idle timeout, EOF or shutdown."""
+        me = self.node.peer_id
         try:
             session = await self._open(first, remote)
         except SessionError as exc:
             log.info("refused session %s from %s: %s", first.session, remote, exc.message)
-            await send_quietly(upstream, Error(exc.code, exc.message, first.session))
+            await send_quietly(upstream, Error(exc.code, exc.message, first.session, exc.blame or me))
             await close_quietly(upstream)
             return
+        if self.closing:  # opened while shutdown was cancelling the others: end it the same way
+            session.scope.cancel()
         log.info("session %s open from %s (max_len %d, last hop %s)", session.id, remote, session.max_len, session.last_hop)
         try:
             async with trio.open_nursery() as nursery:
@@ -148,27 +163,28 @@ class BlockServer:
                     with session.scope:
                         await self._session_loop(session, upstream)
                     if session.scope.cancelled_caught:
-                        error = Error("shutting_down", f"{self.node.peer_id}: peer shutting down", session.id)
+                        error = Error("shutting_down", f"{me}: peer shutting down", session.id, me)
                         await send_quietly(upstream, error)
                         await send_quietly(session.downstream, error)
-                except SessionError as exc:
+                except (SessionError, SessionRuleError) as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
                     # Both ways: upstream relays it to the head, downstream carries it along the ring,
                     # so the head hears the cause before it sees the return leg close.
-                    error = Error(exc.code, f"{self.node.peer_id}: {exc.message}", session.id)
+                    blame = exc.blame if isinstance(exc, SessionError) else None
+                    error = Error(exc.code, f"{me}: {exc.message}", session.id, blame or me)
                     await send_quietly(upstream, error)
                     await send_quietly(session.downstream, error)
                 except ProtocolError as exc:
                     log.info("session %s: bad frame from upstream: %s", session.id, exc)
-                    await send_quietly(upstream, Error(exc.code, f"{self.node.peer_id}: {exc}", session.id))
+                    await send_quietly(upstream, Error(exc.code, f"{me}: {exc}", session.id, me))
                 except (EOFError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
                     await send_quietly(session.downstream, Error(
-                        "unreachable", f"{self.node.peer_id}: upstream {remote} went away ({type(exc).__name__})", session.id
+                        "unreachable", f"{me}: upstream {remote} went away ({type(exc).__name__})", session.id, remote
                     ))
                 except Exception as exc:
                     log.exception("session %s failed", session.id)
-                    await send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id))
+                    await send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id, me))
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
@@ -186,25 +202,29 @@ class BlockServer:
                 "bad_request", f"this peer serves blocks {self.start}:{self.end}, not {msg.start}:{msg.end}"
             )
         key = (msg.session, msg.start)
-        if key in self.sessions:
+        if key in self.ledger:
             raise SessionError("bad_request", f"session {msg.session} is already open here for block {msg.start}")
         if not msg.route:
             raise SessionError("bad_request", "route is empty: it must end with the head")
-        if msg.max_len > self.limits.max_len:
-            raise SessionError("limit", f"max_len {msg.max_len} exceeds this peer's limit {self.limits.max_len}")
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise SessionError("busy", f"session limit reached ({self.limits.max_sessions})")
-        if sum(1 for s in self.sessions.values() if s.remote == remote) >= self.limits.max_sessions_per_peer:
-            raise SessionError("busy", f"per-peer session limit reached ({self.limits.max_sessions_per_peer})")
-        if msg.max_len > self.cache_tokens_left:
-            raise SessionError("busy", f"KV budget exhausted: {self.cache_tokens_left} tokens left, {msg.max_len} asked")
+        self.ledger.admit(key, remote, msg.max_len)
+        try:
+            downstream, nxt = await self._open_next_hop(msg)
+        except BaseException:
+            self.ledger.release(key)
+            raise
+        span = self._span_for(msg.start, msg.end)
+        state = SessionState(msg.session, msg.max_len, self.limits.max_window)
+        session = Session(state, span, span.new_cache(), downstream, nxt.start == nxt.end, nxt.peer_id, remote)
+        self.sessions[key] = session
+        return session
+
+    async def _open_next_hop(self, msg: OpenSession) -> tuple[FramedStream, Hop]:
+        """Open the stream to the route's next hop: the head (last hop) gets an Ack, a peer the rest of the route."""
         nxt: Hop = msg.route[0]
-        last_hop = nxt.start == nxt.end
-        self.reserved_tokens += msg.max_len
         try:
             with trio.fail_after(self.limits.open_timeout_s):
                 downstream = await self.node.open(nxt.peer_id, nxt.addrs, INFER_PROTOCOL)
-                if last_hop:
+                if nxt.start == nxt.end:
                     await downstream.send(Ack(msg.session, 0))
                 else:
                     await downstream.send(
@@ -213,20 +233,21 @@ class BlockServer:
                     reply = await downstream.receive()
                     if isinstance(reply, Error):
                         await close_quietly(downstream)
-                        raise SessionError(reply.code, f"next hop {nxt.peer_id}: {reply.message}")
+                        raise SessionError(
+                            reply.code, f"next hop {nxt.peer_id}: {reply.message}", reply.blame or nxt.peer_id
+                        )
                     if not isinstance(reply, Ack):
                         await close_quietly(downstream)
-                        raise SessionError("bad_request", f"next hop answered {type(reply).__name__}, expected Ack")
+                        raise SessionError(
+                            "bad_request", f"next hop answered {type(reply).__name__}, expected Ack", nxt.peer_id
+                        )
         except SessionError:
-            self.reserved_tokens -= msg.max_len
             raise
         except Exception as exc:  # timeout, refused connection, reset, bad frame
-            self.reserved_tokens -= msg.max_len
-            raise SessionError("unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}") from exc
-        span = self._span_for(msg.start, msg.end)
-        session = Session(msg.session, msg.max_len, span, span.new_cache(), downstream, last_hop, nxt.peer_id, remote)
-        self.sessions[key] = session
-        return session
+            raise SessionError(
+                "unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}", nxt.peer_id
+            ) from exc
+        return downstream, nxt
 
     def _span_for(self, start: int, end: int) -> SpanModule:
         """The served span or a weight-sharing sub-span of it (a route may use part of our layers)."""
@@ -243,12 +264,12 @@ class BlockServer:
         for session in list(self.sessions.values()):
             session.scope.cancel()
         with trio.move_on_after(min(5.0, deadline_s)):
-            while self.sessions:
-                await trio.sleep(0.05)
+            await self.ledger.wait_empty()
 
     def _release(self, session: Session) -> None:
-        if self.sessions.pop((session.id, session.span.start), None) is not None:
-            self.reserved_tokens -= session.max_len
+        key = (session.id, session.span.start)
+        self.sessions.pop(key, None)
+        if self.ledger.release(key):
             log.info("session %s closed after %d windows", session.id, session.windows)
 
     async def _relay_back(self, session: Session, upstream: FramedStream) -> None:
@@ -263,53 +284,26 @@ class BlockServer:
 
     async def _session_loop(self, session: Session, upstream: FramedStream) -> None:
         while True:
-            with trio.move_on_after(self.limits.idle_timeout_s) as idle:
-                msg = await upstream.receive()  # EOF without CloseSession: the upstream went away
-            if idle.cancelled_caught:
-                raise SessionError("idle", f"session idle for {self.limits.idle_timeout_s:.0f} s: closed")
+            msg = await receive_within(upstream, self.limits.idle_timeout_s)  # EOF: the upstream went away
             if isinstance(msg, Forward):
                 await self._forward(session, msg)
             elif isinstance(msg, Truncate):
-                self._check_session(session, msg.session)
-                self._truncate(session, msg.length)
+                session.cache.truncate(session.state.truncate(msg.session, msg.length))
                 await self._send_down(session, msg if not session.last_hop else Ack(session.id, msg.length))
             elif isinstance(msg, Error):
                 log.info("session %s: error from upstream passed along: %s", session.id, msg.message)
                 await send_quietly(session.downstream, msg)
                 return
             elif isinstance(msg, CloseSession):
-                self._check_session(session, msg.session)
+                session.state.check(msg.session)
                 if not session.last_hop:
                     await send_quietly(session.downstream, msg)
                 return
             else:
                 raise SessionError("bad_request", f"unexpected {type(msg).__name__} in an open session")
 
-    @staticmethod
-    def _check_session(session: Session, sid: str) -> None:
-        if sid != session.id:
-            raise SessionError("unknown_session", f"unknown session {sid!r} on the stream of session {session.id}")
-
-    @staticmethod
-    def _truncate(session: Session, length: int) -> None:
-        if length > session.cache.length:
-            raise SessionError(
-                "bad_request", f"cannot truncate to {length}: only {session.cache.length} tokens are cached"
-            )
-        session.cache.truncate(length)
-
-    async def _forward(self, session: Session, msg: Forward) -> None:
-        self._check_session(session, msg.session)
-        if msg.epoch < session.epoch:
-            log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.epoch)
-            return
-        session.epoch = msg.epoch
-        if msg.commit is not None:
-            self._truncate(session, msg.commit)
-        if msg.start != session.cache.length:
-            raise SessionError(
-                "bad_request", f"window starts at {msg.start} but {session.cache.length} tokens are cached"
-            )
+    def _hidden(self, msg: Forward) -> np.ndarray:
+        """The window's hidden states as float32 [tokens, hidden], or SessionError('bad_tensor')."""
         try:
             hidden = decode_tensor(msg.hidden)
         except ProtocolError as exc:
@@ -322,14 +316,18 @@ class BlockServer:
             raise SessionError(
                 "bad_tensor", f"hidden must have shape [tokens, {self.hidden_size}], got {list(msg.hidden.shape)}"
             )
-        tokens = hidden.shape[0]
-        if not 0 < tokens <= self.limits.max_window:
-            raise SessionError("limit", f"window of {tokens} tokens (allowed 1..{self.limits.max_window})")
-        if msg.start + tokens > session.max_len:
-            raise SessionError("limit", f"position {msg.start + tokens} is past the session's max_len {session.max_len}")
+        return np.ascontiguousarray(hidden, dtype=np.float32)
+
+    async def _forward(self, session: Session, msg: Forward) -> None:
+        keep = session.state.begin(msg.session, msg.epoch, msg.start, msg.commit)
+        if keep is None:
+            log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.state.epoch)
+            return
+        session.cache.truncate(keep)
+        hidden = self._hidden(msg)
+        session.state.extend(hidden.shape[0])
         out = await trio.to_thread.run_sync(
-            self._run_span, session.span, np.ascontiguousarray(hidden, dtype=np.float32), msg.start, session.cache,
-            limiter=self._compute,
+            self._run_span, session.span, hidden, msg.start, session.cache, limiter=self._compute,
         )
         session.windows += 1
         self.windows_served += 1
@@ -347,5 +345,5 @@ class BlockServer:
                 await session.downstream.send(msg)
         except Exception as exc:  # timeout, reset stream, peer gone
             raise SessionError(
-                "unreachable", f"next hop {session.next_peer} unreachable: {type(exc).__name__}: {exc}"
+                "unreachable", f"next hop {session.next_peer} unreachable: {type(exc).__name__}: {exc}", session.next_peer
             ) from exc
