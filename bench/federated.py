@@ -17,20 +17,20 @@ bytes on the wire for one K. Prints JSON; writes bench/results/federated-<date>.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import RESULTS_DIR, swarm, today, write_json
 
 from dsd.protocol import TopKResult, aggregate, encode, reconstruct, topk_from_probs
 from dsd.shard_store import Store
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TEMPERATURES = (0.8, 1.0, 1.2)
 METHODS = ("renormalize", "residual")
 
@@ -152,8 +152,6 @@ def merge(cells: list[list[dict]]) -> list[dict]:
 
 def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int, timeout_s: float) -> dict:
     """Two worker processes and a bootstrap on loopback; one federated generation; bytes on the wire."""
-    import subprocess
-
     import trio
 
     from dsd.node.federated.generate import generate_federated
@@ -162,23 +160,22 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
     from dsd.node.head.engine import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.peer.host import head_node
+    from dsd.node.testnet.swarm import SwarmSpec
 
-    state = Path(tempfile.mkdtemp(prefix="fedbench-"))
-    cmd = [sys.executable, "-m", "dsd.node.cli"]
-    up = subprocess.run([*cmd, "testnet", "up", "--federated", "--store", str(stores["worker_a"]), "--store2",
-                         str(stores["worker_b"]), "--state", str(state), "--threads", "1", "--json",
-                         "--timeout", str(timeout_s)], capture_output=True, text=True, timeout=timeout_s + 60)
-    if up.returncode != 0:
-        return {"error": up.stderr[-2000:]}
-    try:
-        boot = json.loads(up.stdout)["bootstrap"]
+    spec = SwarmSpec(state=Path(tempfile.mkdtemp(prefix="fedbench-")), federated=True, threads=1, timeout_s=timeout_s,
+                     worker_stores=[stores["worker_a"], stores["worker_b"]])
+    with contextlib.ExitStack() as stack:
+        try:
+            state = stack.enter_context(swarm(spec))
+        except Exception as exc:  # the offline numbers stand without the live run
+            return {"error": f"testnet did not come up: {type(exc).__name__}: {exc}"}
         dstore = Store(stores["draft"])
         params = SamplingParams(temperature=1.0)
         drafter = ModelDrafter(dstore.load_full(), params, torch.Generator().manual_seed(1))
         vocab = int(dstore.manifest.vocab_size)
 
         async def main() -> dict:
-            async with head_node([boot]) as (node, _):
+            async with head_node([state.bootstrap]) as (node, _):
                 workers = await find_workers(node, vocab)
                 cfg = GenerationConfig(mode="dsd", max_new_tokens=new_tokens, params=params, gamma=4, seed=0)
                 return await generate_federated(node, workers, drafter, prompt, cfg, vocab_size=vocab, top_k=k,
@@ -188,8 +185,6 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
         return {key: report[key] for key in ("new_tokens", "elapsed_s", "acceptance_rate", "rounds", "bytes_received",
                                              "uplink_bytes_per_row", "uplink_bytes_per_token",
                                              "full_distribution_bytes_per_row", "workers", "top_k", "reconstruct")}
-    finally:
-        subprocess.run([*cmd, "testnet", "down", "--state", str(state)], capture_output=True, timeout=120)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -230,7 +225,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48, help="continuation positions per prompt (default 48)")
     ap.add_argument("--live-tokens", type=int, default=24, help="tokens of the live run (0 = skip it)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from dsd.shard_store.default_models import prepared
@@ -257,7 +252,7 @@ def main() -> int:
     live = live_run(stores, prompts[0][1], k_live, args.live_tokens, 600.0) if args.live_tokens > 0 else None
     result = {
         "benchmark": "federated",
-        "date": date.today().isoformat(),
+        "date": today(),
         "models": {name: Store(p).manifest.model_id for name, p in stores.items()},
         "tiny": tiny,
         "vocab_size": vocab,
@@ -272,7 +267,7 @@ def main() -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"federated-{result['date']}{'-tiny' if tiny else ''}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out / f"{stem}.json", result)
     plot(rows, args.out / f"{stem}.png", f"SpecFed top-K: {' + '.join(result['models'][w] for w in ('worker_a', 'worker_b'))}, "
          f"draft {result['models']['draft']}, V={vocab}")
     print(json.dumps(result))

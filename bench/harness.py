@@ -13,14 +13,16 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 TINY_MODEL_ID = "tiny-qwen2-bench"
+MODEL_KINDS = ("tiny", "real")  # a tiny random target drafting for itself, or the default pair
+T = TypeVar("T")
 
 
 def git_commit() -> str:
@@ -58,8 +60,8 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def run_metadata(name: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
-    """The header every result file carries: name, date, commit, machine and the settings used."""
+def run_metadata(name: str, args: argparse.Namespace | Any = None) -> dict[str, Any]:
+    """The header every result file carries: name, date, commit, machine and the settings used (`args`' fields)."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} if args else {}
     return {
         "name": name,
@@ -68,6 +70,22 @@ def run_metadata(name: str, args: argparse.Namespace | None = None) -> dict[str,
         "machine": machine_info(),
         "settings": settings,
     }
+
+
+def comma_list(p: argparse.ArgumentParser, option: str, text: str, kind: Callable[[str], T]) -> list[T]:
+    """The items of a comma-separated option, each converted by `kind`; a bad item is a usage error."""
+    try:
+        return [kind(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"{option} takes comma-separated values, got {text!r}")
+
+
+def model_kinds(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """The --models option: one or more of MODEL_KINDS."""
+    kinds = comma_list(p, "--models", text, str)
+    if not kinds or any(m not in MODEL_KINDS for m in kinds):
+        p.error(f"--models takes {' and/or '.join(MODEL_KINDS)}, got {text!r}")
+    return kinds
 
 
 def today() -> str:
@@ -121,18 +139,26 @@ def byte_ids(text: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, timeout_s: float = 600.0) -> Iterator[Any]:
-    """A local testnet (bootstrap + `peers` block peers, 1 thread each, WAN latency) that is always stopped."""
-    from dsd.node.peer.shaper import LinkProfile
+def swarm(spec: Any) -> Iterator[Any]:
+    """A local swarm brought up from `spec` (a testnet SwarmSpec), always stopped on the way out."""
     from dsd.node.testnet.processes import stop_processes
-    from dsd.node.testnet.swarm import SwarmSpec, bring_up
+    from dsd.node.testnet.swarm import bring_up
 
-    state = bring_up(SwarmSpec(state=state_dir, store=store, peers=peers, record_ttl_s=60.0, timeout_s=timeout_s,
-                               link=LinkProfile.from_options(latency_ms)))
+    state = bring_up(spec)
     try:
         yield state
     finally:
         stop_processes([p.pid for p in reversed(state.peers)])
+
+
+def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *,
+            timeout_s: float = 600.0) -> contextlib.AbstractContextManager[Any]:
+    """A local testnet (bootstrap + `peers` block peers, 1 thread each, WAN latency) that is always stopped."""
+    from dsd.node.peer.shaper import LinkProfile
+    from dsd.node.testnet.swarm import SwarmSpec
+
+    return swarm(SwarmSpec(state=state_dir, store=store, peers=peers, record_ttl_s=60.0, timeout_s=timeout_s,
+                           link=LinkProfile.from_options(latency_ms)))
 
 
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:
@@ -147,21 +173,8 @@ async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float 
 
 async def run_generation(node: Any, legs: Any, setup: Any, prompt: Sequence[int], cfg: Any, hops: list[Any],
                          tokenizer: Any = None) -> dict[str, Any]:
-    """One generation over `hops` (node.generate.generate_once) plus the per-round counts the report derives.
-
-    The engine's report gives rounds, mean accepted and acceptance rate; every round after the
-    prefill carries drafts in the speculative modes, so drafted and accepted follow from them.
-    """
+    """One generation over `hops` (route.generate.generate_once); the report carries the engine's exact counters."""
     from dsd.node.route.generate import generate_once
 
-    report = await generate_once(node, legs, setup, prompt, cfg, hops=hops,
-                                 tokenizer=tokenizer if cfg.stop_strings else None)
-    draft_rounds = max(0, report["rounds"] - 1) if cfg.mode != "ar" else 0
-    accepted = report["mean_accepted"] * draft_rounds
-    rate = report["acceptance_rate"]
-    report.update(
-        draft_rounds=draft_rounds,
-        accepted=round(accepted, 3),
-        drafted=round(accepted / rate, 3) if rate > 0 else float(draft_rounds),
-    )
-    return report
+    return await generate_once(node, legs, setup, prompt, cfg, hops=hops,
+                               tokenizer=tokenizer if cfg.stop_strings else None)

@@ -13,8 +13,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-import dsd_sweep
-from harness import RESULTS_DIR, today
+from dsd_sweep import SweepOptions, run_sweep
+from harness import comma_list, model_kinds
 
 PROBLEMS = "0,2,7"
 
@@ -25,18 +25,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--problems", default=PROBLEMS, help=f"HumanEval problem indices (default {PROBLEMS})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if any(m not in ("tiny", "real") for m in models):
-        p.error(f"--models takes tiny and/or real, got {args.models!r}")
+    models = model_kinds(p, args.models)
+    problems = comma_list(p, "--problems", args.problems, int)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    command = "python bench/head_modes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     summary = {}
     for m in models:
-        name = f"head_modes-{m}"
-        rc = dsd_sweep.main(["--models", m, "--peers", "4", "--ratios", "5", "--problems", args.problems,
-                             "--max-new-tokens", str(args.max_new_tokens), "--name", name])
-        if rc:
-            return rc
-        data = json.loads((RESULTS_DIR / f"{name}-{today()}.json").read_text())
-        s = data["settings_runs"][-1]
+        opts = SweepOptions(models=m, peers=[4], ratios=[5.0], problems=problems,
+                            max_new_tokens=args.max_new_tokens, name=f"head_modes-{m}")
+        s = run_sweep(opts, command)["settings_runs"][-1]
         summary[m] = {
             "t0_ms": round(s["t0_s"] * 1000, 2), "t1_ms": round(s["latency_ms"], 2),
             "modes": {mode: {"tokens_per_s": round(r["tokens_per_s"], 3), "speedup": round(r.get("speedup", 1.0), 3),

@@ -24,6 +24,8 @@ from typing import Any
 from harness import (
     RESULTS_DIR,
     build_tiny_store,
+    comma_list,
+    model_kinds,
     plan_once,
     run_metadata,
     testnet,
@@ -42,7 +44,7 @@ async def time_ring(state: Any, store: Any, latency_ms: float, windows: Sequence
 
     from dsd.node.peer.host import head_node
     from dsd.node.peer.shaper import LinkProfile
-    from dsd.node.route.session import RouteSession
+    from dsd.node.route.session import open_route_session
 
     head = store.load_head()
     vocab = int(store.manifest.config["vocab_size"])
@@ -53,7 +55,7 @@ async def time_ring(state: Any, store: Any, latency_ms: float, windows: Sequence
     async with head_node([state.bootstrap], LinkProfile.from_options(latency_ms)) as (node, legs):
         hops = await plan_once(node, store.manifest.model_id, store.num_layers)
         out["route"] = [[h.start, h.end] for h in hops]
-        async with RouteSession(node, legs, hops, model=store.manifest.model_id, max_len=prefill + 64) as session:
+        async with open_route_session(node, legs, hops, model=store.manifest.model_id, max_len=prefill + 64) as session:
             t = time.perf_counter()
             await session.forward(np.ascontiguousarray(hidden[:prefill]), start=0, commit=0)
             out["prefill_rtt_s"] = round(time.perf_counter() - t, 4)
@@ -121,13 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"))
     args = p.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if any(m not in ("tiny", "real") for m in models):
-        p.error(f"--models takes tiny and/or real, got {args.models!r}")
-    try:
-        latencies = [float(x) for x in args.latencies.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--latencies takes comma-separated numbers, got {args.latencies!r}")
+    models = model_kinds(p, args.models)
+    latencies = comma_list(p, "--latencies", args.latencies, float)
     if args.peers < 1 or args.reps < 1 or any(latency < 0 for latency in latencies):
         p.error("--peers and --reps must be >= 1 and latencies >= 0")
     results = {**run_metadata("ring", args), "runs": []}

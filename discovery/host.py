@@ -9,9 +9,9 @@ protocols registered with `set_handler` to their handlers as `FramedStream`s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 import multiaddr
 import trio
@@ -28,26 +28,18 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
+from dsd.protocol import Message, RecordsFound, RecordsGet, RecordsPut, RecordsStored
 from dsd.protocol.ids import RECORDS_PROTOCOL
 
 from .framing import FramedStream, LinkError
 from .identity import peer_id_of
-from .record_store import (
-    MAX_RECORDS_PER_KEY,
-    MAX_RECORDS_PER_PUT,
-    RecordStore,
-    RecordStoreError,
-    check_blobs,
-    check_key,
-    frame_length,
-    pack_message,
-    unpack_message,
-)
+from .record_store import RecordStore, ask_records, serve_records
 from .records import record_key
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[FramedStream, str], Awaitable[None]]
+Reply = TypeVar("Reply", bound=Message)
 StreamWrapper = Callable[[Any], Any]
 
 
@@ -137,8 +129,7 @@ class P2PNode:
         self.store = RecordStore(key_for_model=record_key, allow_signers=self._allowed_signers())
         self.host: Any = None
         self.dht: KadDHT | None = None
-        self._stack: AsyncExitStack | None = None
-        self._nursery: trio.Nursery | None = None
+        self._running: AsyncExitStack | None = None
         self._handlers: dict[str, Handler] = {}
 
     def _allowed_signers(self) -> set[str] | None:
@@ -151,6 +142,23 @@ class P2PNode:
     # --- lifecycle ------------------------------------------------------------
 
     async def __aenter__(self) -> P2PNode:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(self._run())
+            self._running = stack.pop_all()  # kept open until __aexit__ (closed here if starting fails)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Stop the node; an error from the `async with` block goes on as itself (it never enters the node's nurseries)."""
+        running, self._running = self._running, None
+        if running is not None:
+            await running.aclose()
+
+    @asynccontextmanager
+    async def _run(self) -> AsyncIterator[None]:
+        """The node's lifetime: the libp2p host, the DHT service and the maintenance task, each in its own `async with`.
+
+        A failure to start comes out as itself, not wrapped in an exception group.
+        """
         noise = NoiseTransport(self.key_pair, noise_privkey=create_new_x25519_key_pair().private_key)
         self.host = new_host(
             key_pair=self.key_pair,
@@ -160,41 +168,40 @@ class P2PNode:
             connection_config=QUIET_CONNECTIONS,
         )
         self.dht = KadDHT(self.host, DHTMode.SERVER)
-        stack = AsyncExitStack()
-        await stack.__aenter__()
-        try:
-            await stack.enter_async_context(self.host.run(listen_addrs=self.listen_addrs))
-            await stack.enter_async_context(background_trio_service(self.dht))
-            self._nursery = await stack.enter_async_context(trio.open_nursery())
-            self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
-            for pid, handler in self._handlers.items():
-                self._install(pid, handler)
-            if self.bootstrap:
-                reached = await self.join()
-                if not reached and self.require_bootstrap:
-                    raise ConnectionError(f"no bootstrap peer reachable: {', '.join(self.bootstrap)}")
-            self._nursery.start_soon(self._maintain)
-        except BaseException:
-            await stack.__aexit__(None, None, None)
-            raise
-        self._stack = stack
-        return self
+        failure: Exception | None = None
+        async with self.host.run(listen_addrs=self.listen_addrs), background_trio_service(self.dht):
+            try:
+                await self._start()
+            except Exception as exc:  # re-raised below, once the services are stopped
+                failure = exc
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._maintain)
+                    try:
+                        yield
+                    finally:
+                        nursery.cancel_scope.cancel()
+                        await self._hang_up()
+        if failure is not None:
+            raise failure
 
-    async def __aexit__(self, *exc: object) -> None:
-        stack, self._stack = self._stack, None
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        self._nursery = None
-        if stack is None:
-            return
-        # Close connections explicitly so remote peers see us go now (not when sockets are collected).
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(CLOSE_TIMEOUT_S):
-                try:
-                    await self.host.close()
-                except Exception as exc:
-                    log.debug("host close: %r", exc)
-        await stack.__aexit__(None, None, None)
+    async def _start(self) -> None:
+        """Serve the record store and the registered protocols, then join the swarm through the bootstrap peers."""
+        self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
+        for pid, handler in self._handlers.items():
+            self._install(pid, handler)
+        if self.bootstrap:
+            reached = await self.join()
+            if not reached and self.require_bootstrap:
+                raise ConnectionError(f"no bootstrap peer reachable: {', '.join(self.bootstrap)}")
+
+    async def _hang_up(self) -> None:
+        """Close connections explicitly so remote peers see us go now (not when sockets are collected)."""
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            try:
+                await self.host.close()
+            except Exception as exc:
+                log.debug("host close: %r", exc)
 
     @property
     def addrs(self) -> list[str]:
@@ -323,43 +330,25 @@ class P2PNode:
 
     # --- record store: server side -------------------------------------------
 
-    async def _serve_records(self, stream: Any, remote: str) -> None:
-        try:
-            with trio.fail_after(REQUEST_TIMEOUT_S):
-                req = unpack_message(await _read_frame(stream))
-                key = check_key(req.get("key"))
-                if req.get("op") == "put":
-                    blobs = check_blobs(req.get("records"), MAX_RECORDS_PER_PUT)
-                    stored = sum(self.store.put(key, b) for b in blobs)
-                    reply: dict[str, Any] = {"stored": stored}
-                elif req.get("op") == "get":
-                    reply = {"records": self.store.get(key)}
-                else:
-                    raise RecordStoreError(f"unknown record-store op {req.get('op')!r}")
-        except RecordStoreError as exc:
-            reply = {"error": str(exc)}
-        except (EOFError, trio.TooSlowError):
-            return
-        with trio.move_on_after(REQUEST_TIMEOUT_S):
-            await stream.write(pack_message(reply))
+    async def _serve_records(self, raw: Any, remote: str) -> None:
+        """Answer one put or get of `remote` from our record store."""
+        await serve_records(self.store, raw, remote, REQUEST_TIMEOUT_S)
 
     # --- record store: client side --------------------------------------------
 
-    async def _request(self, peer: ID, msg: dict[str, Any]) -> dict[str, Any] | None:
+    async def _request(self, peer: ID, request: Message, reply_type: type[Reply]) -> Reply | None:
+        """Send one record-store request; None when the peer fails (then it is forgotten) or refuses."""
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
-                stream = await self.host.new_stream(peer, [TProtocol(RECORDS_PROTOCOL)])
-                try:
-                    await stream.write(pack_message(msg))
-                    reply = unpack_message(await _read_frame(stream))
-                finally:
-                    await _quiet(stream.close())
+                raw = await self.host.new_stream(peer, [TProtocol(RECORDS_PROTOCOL)])
+                reply = await ask_records(raw, peer.to_base58(), request)
         except Exception as exc:
             log.debug("record-store request to %s failed: %r", peer, exc)
             await self._forget(peer)
             return None
-        if "error" in reply:
-            log.debug("record-store peer %s refused: %s", peer, reply["error"])
+        if not isinstance(reply, reply_type):
+            log.debug("record-store peer %s answered %s to %s: %s", peer, reply.TYPE, request.TYPE,
+                      getattr(reply, "message", ""))
             return None
         return reply
 
@@ -384,59 +373,33 @@ class P2PNode:
 
     async def put_records(self, key: bytes, blobs: Sequence[bytes]) -> int:
         """Store signed records under `key` here and on the closest nodes; returns how many nodes took them."""
-        check_key(key)
-        blobs = check_blobs(list(blobs), MAX_RECORDS_PER_PUT)
-        stored = 1 if any([self.store.put(key, b) for b in blobs]) else 0
-        count = [stored]
+        request = RecordsPut(key, tuple(blobs))
+        count = [1 if any([self.store.put(request.key, b) for b in request.records]) else 0]
 
         async def one(peer: ID) -> None:
-            reply = await self._request(peer, {"op": "put", "key": key, "records": blobs})
-            if reply is not None and isinstance(reply.get("stored"), int) and reply["stored"] > 0:
+            reply = await self._request(peer, request, RecordsStored)
+            if reply is not None and reply.stored > 0:
                 count[0] += 1
 
         async with trio.open_nursery() as nursery:
-            for peer in await self._closest(key):
+            for peer in await self._closest(request.key):
                 nursery.start_soon(one, peer)
         return count[0]
 
     async def get_records(self, key: bytes) -> list[bytes]:
         """Every signed record under `key` held here or by the closest nodes (unverified, deduplicated)."""
-        check_key(key)
-        blobs: dict[bytes, None] = dict.fromkeys(self.store.get(key))
+        request = RecordsGet(key)
+        blobs: dict[bytes, None] = dict.fromkeys(self.store.get(request.key))
 
         async def one(peer: ID) -> None:
-            reply = await self._request(peer, {"op": "get", "key": key})
-            if reply is None:
-                return
-            try:
-                got = check_blobs(reply.get("records"), MAX_RECORDS_PER_KEY)
-            except RecordStoreError as exc:
-                log.debug("bad record-store reply from %s: %s", peer, exc)
-                return
-            for b in got:
-                blobs.setdefault(b, None)
+            reply = await self._request(peer, request, RecordsFound)
+            if reply is not None:
+                blobs.update(dict.fromkeys(reply.records))
 
         async with trio.open_nursery() as nursery:
-            for peer in await self._closest(key):
+            for peer in await self._closest(request.key):
                 nursery.start_soon(one, peer)
         return list(blobs)
-
-
-async def _read_exactly(stream: Any, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = await stream.read(n - len(buf))
-        except EOFError:
-            chunk = b""
-        if not chunk:
-            raise EOFError(f"stream ended after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-async def _read_frame(stream: Any) -> bytes:
-    return await _read_exactly(stream, frame_length(await _read_exactly(stream, 4)))
 
 
 async def _quiet(aw: Awaitable[Any]) -> None:

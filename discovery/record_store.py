@@ -7,75 +7,40 @@ that vanish within seconds of their TTL, so, like hivemind's DHT (Petals), we st
 (key, peer) -> signed record with expiry on the k nodes closest to the key, found by
 py-libp2p's Kademlia lookup, over our own small protocol `/dsd/records/1`.
 
-Wire: 4-byte big-endian length + msgpack map. Requests: {"op": "put", "key", "records"}
-or {"op": "get", "key"}; replies: {"stored": n} or {"records": [...]}, or {"error": str}.
+Wire: the typed messages of `dsd.protocol.records` (RecordsPut / RecordsGet, answered by
+RecordsStored / RecordsFound or an Error), framed like every other dsd protocol.
+`RecordStore.answer` is the sans-IO reply; `serve_records` and `ask_records` carry one
+request and its reply over a stream.
 """
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Any
 
-import msgpack
+import trio
 
-from .records import MAX_RECORD_BYTES, PeerRecord, RecordError, verify_record
+from dsd.protocol import (
+    RECORDS_LIMITS,
+    Error,
+    Message,
+    ProtocolError,
+    RecordsFound,
+    RecordsGet,
+    RecordsPut,
+    RecordsStored,
+)
+from dsd.protocol.errors import BAD_REQUEST
+from dsd.protocol.records import MAX_RECORDS_PER_KEY
 
-KEY_BYTES = 32
-MAX_RECORDS_PER_KEY = 1024
+from .framing import ByteStream, FramedStream
+from .records import PeerRecord, RecordError, verify_record
+
 MAX_KEYS = 4096
-MAX_RECORDS_PER_PUT = 16
-MAX_MESSAGE_BYTES = 64 + MAX_RECORDS_PER_KEY * (MAX_RECORD_BYTES + 16)
 # Storing nodes refuse records claiming to live longer than this (limits replay of old records).
 MAX_TTL_S = 3600.0
 # Allowed clock skew between a publisher and a storing node.
 CLOCK_SKEW_S = 60.0
-
-
-class RecordStoreError(ValueError):
-    """A malformed record-store request or reply; the message names what was wrong."""
-
-
-def pack_message(obj: dict[str, Any]) -> bytes:
-    """One length-prefixed msgpack frame."""
-    body = msgpack.packb(obj, use_bin_type=True)
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise RecordStoreError(f"record-store message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return struct.pack(">I", len(body)) + body
-
-
-def frame_length(header: bytes) -> int:
-    """Body length from a 4-byte header, refused before any allocation when too large."""
-    (n,) = struct.unpack(">I", header)
-    if n > MAX_MESSAGE_BYTES:
-        raise RecordStoreError(f"record-store frame claims {n} bytes, more than {MAX_MESSAGE_BYTES}")
-    return n
-
-
-def unpack_message(body: bytes) -> dict[str, Any]:
-    """Decode a frame body into a map; RecordStoreError on anything else."""
-    try:
-        obj = msgpack.unpackb(body, raw=False, max_bin_len=MAX_RECORD_BYTES + 64, max_str_len=1024,
-                              max_array_len=MAX_RECORDS_PER_KEY, max_map_len=16)
-    except Exception as exc:
-        raise RecordStoreError(f"record-store frame is not valid msgpack ({type(exc).__name__})") from None
-    if not isinstance(obj, dict):
-        raise RecordStoreError("record-store frame must be a map")
-    return obj
-
-
-def check_key(key: object) -> bytes:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise RecordStoreError(f"record-store key must be {KEY_BYTES} bytes")
-    return key
-
-
-def check_blobs(blobs: object, limit: int) -> list[bytes]:
-    if not isinstance(blobs, list) or len(blobs) > limit:
-        raise RecordStoreError(f"records must be a list of at most {limit} entries")
-    if not all(isinstance(b, bytes) for b in blobs):
-        raise RecordStoreError("records must be byte strings")
-    return blobs
 
 
 class RecordStore:
@@ -118,6 +83,14 @@ class RecordStore:
         slot[rec.peer_id] = (rec, blob)
         return True
 
+    def answer(self, request: Message, now: float | None = None) -> Message:
+        """The reply to one record-store request: how many records a put kept, or the live ones a get asks for."""
+        if isinstance(request, RecordsPut):
+            return RecordsStored(sum(self.put(request.key, blob, now) for blob in request.records))
+        if isinstance(request, RecordsGet):
+            return RecordsFound(tuple(self.get(request.key, now)))
+        return Error(BAD_REQUEST, f"the record store answers records_put and records_get, not {request.TYPE}")
+
     def get(self, key: bytes, now: float | None = None) -> list[bytes]:
         """The live signed records under `key`."""
         self.expire(now)
@@ -138,3 +111,26 @@ class RecordStore:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._data.values())
+
+
+async def serve_records(store: RecordStore, raw: ByteStream, remote: str, timeout_s: float) -> None:
+    """Answer the one request of an incoming `/dsd/records/1` stream; a request that cannot be read gets an Error."""
+    stream = FramedStream(raw, RECORDS_LIMITS, remote=remote)
+    try:
+        with trio.fail_after(timeout_s):
+            request = await stream.receive()
+    except (EOFError, trio.TooSlowError):
+        return
+    except ProtocolError as exc:
+        reply: Message = Error(exc.code, str(exc))
+    else:
+        reply = store.answer(request)
+    with trio.move_on_after(timeout_s):
+        await stream.send(reply)
+
+
+async def ask_records(raw: ByteStream, remote: str, request: Message) -> Message:
+    """Send one request on a fresh `/dsd/records/1` stream, return the reply and close the stream."""
+    async with FramedStream(raw, RECORDS_LIMITS, remote=remote) as stream:
+        await stream.send(request)
+        return await stream.receive()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from .errors import VERSION, ProtocolError
 
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"  # 1.1: token-tree windows (Forward / DraftWindow parents and keep)
 PROTOCOL_MAJOR = 1
 
 # Positions, lengths and token ids fit in a signed 32-bit int; epochs and nonces in 64 bits.
@@ -31,12 +31,15 @@ class Limits:
     max_tokens_per_window: int = 1024
     max_topk: int = 1 << 18
     max_payload: int = 1 << 20
+    max_tree_nodes: int = 64  # nodes of a token-tree window (EAGLE-2 drafts 48-60)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{f.name} must be a positive int, got {value!r}")
+        if self.max_tree_nodes > self.max_tokens_per_window:
+            raise ValueError("Limits.max_tree_nodes must not exceed max_tokens_per_window (a tree is a window)")
         if self.max_frame_bytes > 2**32 - 1:
             raise ValueError("Limits.max_frame_bytes must fit the 4-byte frame header (< 4 GiB)")
 

@@ -35,6 +35,7 @@ from .limits import (
 )
 from .tensors import WireTensor, decode_tensor, encode_tensor
 from .topk import ID_CODECS, decode_ids, encode_ids, is_dense, sort_by_prob
+from .trees import check_keep, check_parents
 
 # Codes used in `Error` replies; peers may send others (newer versions), so they are not enforced.
 ERROR_CODES = (
@@ -116,6 +117,35 @@ def _strs(v: Any, f: str, lim: Limits) -> tuple[str, ...]:
 def _tokens(v: Any, f: str, lim: Limits) -> tuple[int, ...]:
     items = check_seq(v, f, lim.max_tokens_per_window, empty=False)
     return tuple(check_int(x, f"{f}[{i}]", 0, MAX_POSITION) for i, x in enumerate(items))
+
+
+def _opt_parents(v: Any, f: str, lim: Limits) -> tuple[int, ...] | None:
+    return None if v is None else check_parents(v, lim.max_tree_nodes, f)
+
+
+def _opt_keep(v: Any, f: str, lim: Limits) -> tuple[int, ...] | None:
+    return None if v is None else check_keep(v, lim.max_tree_nodes, f)
+
+
+def _opt_seq_encode(v: tuple[Any, ...] | None) -> list[Any] | None:
+    return None if v is None else list(v)
+
+
+def _tree_fields() -> tuple[_Field, ...]:
+    """`parents` (this window as a token tree; None = a chain) and `keep` (the accepted path of the last one)."""
+    return (
+        _Field("parents", _opt_parents, encode=_opt_seq_encode, optional=True),
+        _Field("keep", _opt_keep, encode=_opt_seq_encode, optional=True),
+    )
+
+
+def _check_tree(parents: tuple[int, ...] | None, keep: tuple[int, ...] | None, commit: int | None,
+                nodes: int, what: str, prefix: str) -> None:
+    """A tree has one parent per window node; `keep` needs `commit` (the start of the window it keeps from)."""
+    if parents is not None and len(parents) != nodes:
+        raise ProtocolError(f"{len(parents)} parents for a window of {nodes} {what}", f"{prefix}.parents", BAD_REQUEST)
+    if keep is not None and commit is None:
+        raise ProtocolError("keep needs commit: the start of the window it keeps nodes of", f"{prefix}.keep", BAD_REQUEST)
 
 
 def _tensor(v: Any, f: str, lim: Limits) -> WireTensor:
@@ -326,7 +356,12 @@ class OpenSession(Message):
 
 @dataclass(frozen=True)
 class Forward(Message):
-    """Hidden states of positions start.. going down the route; `commit` (if set) truncates the KV first."""
+    """Hidden states of a window at start.. going down the route; `commit` (if set) truncates the KV first.
+
+    `parents` makes the window a token tree (node i at start + depth(i)); `keep` lists the accepted
+    nodes of the previous window, root first: the peers keep those rows after `commit` instead of
+    truncating to it, so then start = commit + len(keep).
+    """
 
     TYPE: ClassVar[str] = "forward"
     FIELDS: ClassVar[tuple[_Field, ...]] = (
@@ -335,12 +370,23 @@ class Forward(Message):
         _Field("start", _pos),
         _Field("commit", _opt_pos),
         _tensor_field("hidden"),
+        *_tree_fields(),
     )
     session: str
     epoch: int
     start: int
     commit: int | None
     hidden: WireTensor
+    parents: tuple[int, ...] | None = None
+    keep: tuple[int, ...] | None = None
+
+    def _check_more(self, limits: Limits, prefix: str) -> None:
+        shape = self.hidden.shape
+        if self.parents is not None and not (len(shape) == 2 or (len(shape) == 3 and shape[0] == 1)):
+            raise ProtocolError(
+                f"a tree window needs hidden [tokens, hidden], got {list(shape)}", f"{prefix}.parents", BAD_REQUEST
+            )
+        _check_tree(self.parents, self.keep, self.commit, shape[-2] if len(shape) >= 2 else 0, "hidden rows", prefix)
 
 
 @dataclass(frozen=True)
@@ -478,6 +524,7 @@ class DraftWindow(Message):
         _Field("temperature", _temperature),
         _Field("top_p", _top_p, optional=True),
         _Field("rows", _opt_rows, optional=True),
+        *_tree_fields(),
     )
     session: str
     epoch: int
@@ -488,10 +535,13 @@ class DraftWindow(Message):
     temperature: float
     top_p: float = 1.0
     rows: int | None = None  # answer only the last `rows` positions (a prefill needs one); None = all
+    parents: tuple[int, ...] | None = None  # a token tree, as in Forward; rows then count nodes
+    keep: tuple[int, ...] | None = None  # the accepted path of the previous window, as in Forward
 
     def _check_more(self, limits: Limits, prefix: str) -> None:
         if self.rows is not None and self.rows > len(self.tokens):
             raise ProtocolError(f"asks for {self.rows} rows of a {len(self.tokens)}-token window", f"{prefix}.rows")
+        _check_tree(self.parents, self.keep, self.commit, len(self.tokens), "tokens", prefix)
 
 
 def _id_codec(v: Any, f: str, lim: Limits) -> str:

@@ -51,6 +51,7 @@ class Manifest:
     tokenizer_files: list[str] = field(default_factory=list)
     tied_embeddings: bool = False
     source: str = ""
+    eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation (see writer)
 
     @property
     def total_bytes(self) -> int:
@@ -117,6 +118,9 @@ class Manifest:
         tied = data.get("tied_embeddings", False)
         if not isinstance(tied, bool):
             raise StoreError("manifest: tied_embeddings must be true or false")
+        eos = data.get("eos_token_ids", [])
+        if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+            raise StoreError("manifest: eos_token_ids must be a list of token ids")
         required = [EMBED_FILE, HEAD_FILE] + [layer_file(i) for i in range(data["num_layers"])]
         for relpath in required:
             if relpath not in files:
@@ -134,6 +138,7 @@ class Manifest:
             tokenizer_files=list(tokenizer_files),
             tied_embeddings=tied,
             source=str(data.get("source", "")),
+            eos_token_ids=sorted(set(eos)),
         )
 
     @classmethod

@@ -13,49 +13,41 @@ from collections.abc import Sequence
 
 import torch
 
+from dsd.protocol import ProtocolError
+from dsd.protocol import trees as wire
+
 from .errors import StoreError
 
 MAX_TREE_NODES = 256  # mask building is O(n^2); far above the 60-node trees EAGLE-2 drafts
 
 
+def _as_list(value: object) -> object:
+    """A tensor or numpy array (decoded from the wire) as a list; anything else as it is."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str | bytes) else value
+
+
 def check_parents(parents: object, max_nodes: int = MAX_TREE_NODES) -> list[int]:
     """Validate a parents array (ints, -1 <= parents[i] < i, 1..max_nodes nodes) and return it as a list.
 
-    parents[i] < i means no forward references and so no cycles; the message names the bad index.
+    The rule is the wire's (`dsd.protocol.trees.check_parents`); its error becomes a StoreError
+    naming the bad index. parents[i] < i means no forward references and so no cycles.
     """
-    if hasattr(parents, "tolist"):  # a tensor or numpy array decoded from the wire
-        parents = parents.tolist()
-    if not isinstance(parents, Sequence) or isinstance(parents, (str, bytes)):
-        raise StoreError(f"tree parents must be a list of ints, got {type(parents).__name__}")
-    n = len(parents)
-    if n == 0:
-        raise StoreError("tree parents is empty: a tree window needs at least one node")
-    if n > max_nodes:
-        raise StoreError(f"tree has {n} nodes, at most {max_nodes} are allowed")
-    out: list[int] = []
-    for i, p in enumerate(parents):
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise StoreError(f"tree parents[{i}] must be an int, got {type(p).__name__}")
-        if not -1 <= p < i:
-            raise StoreError(
-                f"tree parents[{i}] = {p} is not -1 or an earlier node in [0, {i}) "
-                "(nodes must be in topological order)"
-            )
-        out.append(p)
-    return out
+    try:
+        return list(wire.check_parents(_as_list(parents), max_nodes, "parents"))
+    except ProtocolError as exc:
+        raise StoreError(f"tree {exc}") from None
 
 
 def is_chain(parents: Sequence[int]) -> bool:
     """True when the (checked) parents describe a plain chain -1, 0, 1, ..."""
-    return all(p == i - 1 for i, p in enumerate(parents))
+    return wire.is_chain(parents)
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
     """Depth of every node of a checked parents array (children of the committed token have depth 0)."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
+    return wire.depths(parents)
 
 
 def tree_position_ids(committed_len: int, parents: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
@@ -111,22 +103,10 @@ def check_path(parents: Sequence[int] | None, nodes: int, rows: object) -> list[
     """Validate `rows` as a root-to-node path of a window of `nodes` nodes (parents None = chain).
 
     rows[0] must be a child of the committed token and each next row a child of the one before, so
-    that kept row k sits at position committed_len + k as it did when it was computed.
+    that kept row k sits at position committed_len + k as it did when it was computed (the wire's
+    rule, `dsd.protocol.trees.check_path`, as a StoreError).
     """
-    if hasattr(rows, "tolist"):
-        rows = rows.tolist()
-    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
-        raise StoreError(f"path rows must be a list of ints, got {type(rows).__name__}")
-    out: list[int] = []
-    for k, r in enumerate(rows):
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise StoreError(f"path rows[{k}] must be an int, got {type(r).__name__}")
-        if not 0 <= r < nodes:
-            raise StoreError(f"path rows[{k}] = {r} is outside the last window's nodes [0, {nodes})")
-        want = out[-1] if out else -1
-        parent = r - 1 if parents is None else parents[r]
-        if parent != want:
-            where = "a child of the committed token" if want < 0 else f"a child of node {want}"
-            raise StoreError(f"path rows[{k}] = {r} is not {where} (its parent is {parent})")
-        out.append(r)
-    return out
+    try:
+        return list(wire.check_path(parents, nodes, _as_list(rows), "rows"))
+    except ProtocolError as exc:
+        raise StoreError(f"path {exc}") from None

@@ -57,6 +57,35 @@ def _stored_config(model: PreTrainedModel, dtype: str) -> dict[str, Any]:
     return config
 
 
+# Special tokens that end a generation whatever the config says (llama.cpp marks the same texts as
+# end-of-generation): a GGUF carries no generation_config.json, whose eos list often names them.
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<|eom_id|>")
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return {int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any = None) -> list[int]:
+    """Every id that ends generation: the generation config's eos list, the config's, the tokenizer's eos,
+    and the tokenizer's special end-of-text tokens (for GGUF sources, which ship no generation config)."""
+    ids = _ids(getattr(model.config, "eos_token_id", None))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        ids |= _ids(getattr(generation, "eos_token_id", None))
+    if tokenizer is not None:
+        ids |= _ids(getattr(tokenizer, "eos_token_id", None))
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        ids |= {vocab[t] for t in END_OF_TEXT_TOKENS if t in special and t in vocab}
+    vocab_size = int(model.config.vocab_size)
+    return sorted(i for i in ids if i < vocab_size)
+
+
 def write_store(
     model: PreTrainedModel,
     out: str | Path,
@@ -143,6 +172,7 @@ def write_store(
             tokenizer_files=tokenizer_files,
             tied_embeddings=tied,
             source=source,
+            eos_token_ids=eos_token_ids(model, tokenizer),
         )
         Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
         manifest.write(staging)

@@ -1,5 +1,5 @@
-"""The DSD report's pure parts: HumanEval completion cutting, the acceptance fit, the timing model and
-the paper's communication-saving formula (checked against the paper's own worked numbers)."""
+"""The DSD report's pure parts: HumanEval completion cutting, the timing model (checked on hand-computed
+cases), the paper's formula against its own worked numbers, and the paired-speedup statistics."""
 
 from __future__ import annotations
 
@@ -10,15 +10,28 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from dsd_sweep import (  # noqa: E402
-    cut_completion,
+from dsd_sweep import PROBLEMS, cut_completion  # noqa: E402
+from sweep_model import (  # noqa: E402
+    best_gamma,
+    bootstrap_median,
+    expected_tokens,
     interp,
     paper_prediction,
     predict,
-    solve_alpha,
+    ready_probability,
+    summarize,
 )
 
 T0 = {1: 0.08, 2: 0.09, 4: 0.1, 8: 0.14, 16: 0.22}
+HEAD = {1: 0.01, 16: 0.01}
+
+
+def cal(**over: float) -> dict:
+    base = {"peers": 4, "latency_ms": 500.0, "t0_s": 0.08, "t0_window_s": {str(k): v for k, v in T0.items()},
+            "head_window_s": {str(k): v for k, v in HEAD.items()}, "alpha": 1.0, "alt_hit": 0.0,
+            "draft_s_per_token": 0.05, "branch_step_s": 0.05}
+    base.update(over)
+    return base
 
 
 def test_cut_completion_stops_at_first_top_level_block() -> None:
@@ -28,6 +41,11 @@ def test_cut_completion_stops_at_first_top_level_block() -> None:
     assert cut_completion("    # indented comment stays\n    return 1") == "    # indented comment stays\n    return 1"
 
 
+def test_the_prompt_set_is_fixed_and_spread_over_humaneval() -> None:
+    assert len(PROBLEMS) >= 10 and PROBLEMS == tuple(sorted(set(PROBLEMS)))
+    assert PROBLEMS[0] == 0 and PROBLEMS[-1] >= 140
+
+
 def test_interp_is_linear_between_points_and_flat_outside() -> None:
     assert interp(T0, 1) == pytest.approx(0.08)
     assert interp(T0, 6) == pytest.approx(0.12)
@@ -35,34 +53,68 @@ def test_interp_is_linear_between_points_and_flat_outside() -> None:
     assert interp(T0, 0.5) == pytest.approx(0.08)
 
 
-@pytest.mark.parametrize("alpha,gamma", [(0.3, 4), (0.7, 6), (0.9, 12), (0.99, 3)])
-def test_solve_alpha_inverts_truncated_geometric_mean(alpha: float, gamma: int) -> None:
-    k_mean = sum(alpha**i for i in range(1, gamma + 1))
-    assert solve_alpha(k_mean, gamma) == pytest.approx(alpha, abs=1e-6)
-    assert solve_alpha(gamma, gamma) == 1.0
-    assert solve_alpha(0.0, gamma) == 0.0
+def test_ready_probability_counts_the_bonus_guess_and_the_alternatives() -> None:
+    # Full acceptance of 4 drafts and the guessed bonus: α^(γ+1), the engine's rule (not α^γ).
+    assert ready_probability(0.8, 4, 0.0) == pytest.approx(0.8**5)
+    assert ready_probability(0.8, 4, 0.5) == pytest.approx(0.8**5 + (1 - 0.8**5) * 0.5)
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_timing_model_hand_computed() -> None:
+    r = 5 * 0.5 + 4 * interp(T0, 8) + 0.01  # N+1 links, N peers on 8 tokens, the head
+    ar = predict("ar", cal(), 0)
+    assert ar["s_per_token"] == pytest.approx(5 * 0.5 + 4 * 0.08 + 0.01)
+    sd, dsd = predict("sd", cal(), 7), predict("dsd", cal(), 7)
+    assert sd["s_per_token"] == pytest.approx((7 * 0.05 + r) / 8)
+    assert dsd["p_ready"] == pytest.approx(1.0)
+    assert dsd["s_per_token"] == pytest.approx(r / 8)  # 8 branch steps (0.4 s) hide behind the trip
+    # Nothing accepted and no alternative ever right: dsd redrafts after every trip, like sd.
+    none = cal(alpha=0.0, alt_hit=0.0)
+    assert predict("dsd", none, 3)["s_per_token"] == pytest.approx(predict("sd", none, 3)["s_per_token"])
+    # Half the outcomes ready: half the redrafting is exposed.
+    half = cal(alpha=0.0, alt_hit=0.5)
+    r3 = 5 * 0.5 + 4 * interp(T0, 4) + 0.01
+    assert predict("dsd", half, 3)["s_per_token"] == pytest.approx(r3 + 0.5 * 3 * 0.05)
+    assert best_gamma("sd", cal(alpha=0.0)) == 1 and best_gamma("dsd", cal()) > 4
 
 
 def test_paper_formula_reproduces_its_worked_savings() -> None:
     # The paper: N=4, t1/t0=5 saves ~75 % of the communication with k = 4 tokens per sync.
     p = paper_prediction(4, 0.1, 0.5, 4.0)
-    assert p["comm_saving_share"] == pytest.approx(0.75)
     assert p["saving_s"] == pytest.approx(3 * 0.5 * 0.75)
     assert p["speedup"] == pytest.approx(1.6 / (1.6 - 1.125))
     assert paper_prediction(4, 0.1, 0.5, 1.0)["speedup"] == pytest.approx(1.0)
 
 
-def test_timing_model_ar_sd_dsd() -> None:
-    n, t1, head, d = 4, 0.5, 0.01, 0.05
-    ar = predict("ar", n=n, t1=t1, t0_table=T0, head_s=head, verify_s=0.0, draft_s=0, gamma=0, k_mean=0)
-    assert ar["s_per_token"] == pytest.approx(5 * 0.5 + 4 * 0.08 + 0.01)
-    # Perfect acceptance, gamma 7: sd pays drafting on top of the trip, dsd hides it (7·d < R).
-    kw = dict(n=n, t1=t1, t0_table=T0, head_s=head, verify_s=0.0, draft_s=d, gamma=7.0, k_mean=7.0)
-    sd, dsd = predict("sd", **kw), predict("dsd", **kw)
-    r = 5 * 0.5 + 4 * interp(T0, 8) + head
-    assert sd["s_per_token"] == pytest.approx((7 * d + r) / 8)
-    assert dsd["p_full"] == pytest.approx(1.0)
-    assert dsd["s_per_token"] == pytest.approx(r / 8)
-    # Nothing accepted: dsd redrafts after every trip, like sd.
-    kw0 = {**kw, "k_mean": 0.0}
-    assert predict("dsd", **kw0)["s_per_token"] == pytest.approx(predict("sd", **kw0)["s_per_token"])
+def test_bootstrap_median_resamples_whole_prompts() -> None:
+    med, lo, hi = bootstrap_median([[1.0, 1.1, 0.9], [2.0, 2.1, 1.9], [3.0, 3.1, 2.9]])
+    assert med == pytest.approx(2.0)
+    assert lo < med < hi and lo >= 0.9 and hi <= 3.1
+    med1, lo1, hi1 = bootstrap_median([[1.5, 1.5]])
+    assert med1 == lo1 == hi1 == 1.5
+
+
+def _run(task: str, rep: int, mode: str, tps: float, tokens: list[int]) -> dict:
+    return {"task_id": task, "rep": rep, "mode": mode, "tokens_per_s": tps, "tokens": tokens, "new_tokens": len(tokens),
+            "elapsed_s": len(tokens) / tps, "prefill_s": 0.1, "rounds": 4, "draft_rounds": 3 if mode != "ar" else 0,
+            "drafted": 9 if mode != "ar" else 0, "accepted": 6 if mode != "ar" else 0, "windows_after_prefill": 3,
+            "ready_rounds": 2 if mode == "dsd" else 0, "bytes_sent": 100, "bytes_received": 100,
+            "time_breakdown": {"drafting_s": 0.3, "drafting_hidden_used_s": 0.2 if mode == "dsd" else 0.0,
+                               "drafting_hidden_wasted_s": 0.1 if mode == "dsd" else 0.0,
+                               "drafting_exposed_s": 0.0 if mode == "dsd" else 0.3}}
+
+
+def test_summarize_pairs_runs_of_the_same_prompt_and_repetition() -> None:
+    runs = []
+    for task, base in (("A", 1.0), ("B", 2.0)):
+        for rep in (1, 2):
+            runs += [_run(task, rep, "ar", base, [1, 2]), _run(task, rep, "sd", 2 * base, [1, 2]),
+                     _run(task, rep, "dsd", 3 * base, [1, 2] if task == "A" else [1, 3])]
+    s = summarize({"peers": 4, "calibration": cal(alpha=0.7, alt_hit=0.5), "runs": runs})
+    assert s["ratios"]["dsd/ar"]["median"] == pytest.approx(3.0)  # paired: base speed cancels
+    assert s["ratios"]["dsd/sd"]["median"] == pytest.approx(1.5)
+    assert s["ratios"]["dsd/ar"]["pairs"] == 4
+    assert s["modes"]["dsd"]["identical_to_ar"] == "2/4"
+    assert s["modes"]["dsd"]["ready_share"] == pytest.approx(2 / 3)
+    assert s["modes"]["dsd"]["hidden_used_share"] == pytest.approx(1.0)
+    assert s["modes"]["sd"]["hidden_used_share"] == 0.0

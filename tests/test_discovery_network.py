@@ -15,9 +15,22 @@ from dsd.discovery.announce import Announcer, fetch_records
 from dsd.discovery.framing import FramedStream, LinkError
 from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import install_ping_handler, measure_rtt
-from dsd.discovery.record_store import RecordStore
+from dsd.discovery.record_store import RecordStore, ask_records
 from dsd.discovery.records import PeerRecord, RecordError, record_key, sign_record, verify_record
-from dsd.protocol import Ping, Pong
+from dsd.protocol import (
+    RECORDS_LIMITS,
+    Error,
+    Message,
+    Ping,
+    Pong,
+    RecordsFound,
+    RecordsGet,
+    RecordsPut,
+    RecordsStored,
+    encode,
+)
+from dsd.protocol.ids import RECORDS_PROTOCOL
+from dsd.protocol.records import RECORDS_FRAME_BYTES
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(60)]
 logging.getLogger("dsd").setLevel(logging.INFO)
@@ -146,6 +159,51 @@ def test_tampered_or_misattributed_records_are_rejected() -> None:
     older = sign_record(dataclasses.replace(rec, issued=now - 5), kp)
     assert not store.put(record_key(MODEL), older) and store.get(record_key(MODEL)) == [blob]
     assert store.expire(now + 31) == 1 and store.get(record_key(MODEL), now + 31) == []
+
+
+def test_record_store_answers_puts_and_gets() -> None:
+    kp = create_new_key_pair()
+    from dsd.discovery.identity import peer_id_of
+
+    now = time.time()
+    rec = PeerRecord(peer_id_of(kp), ("/ip4/127.0.0.1/tcp/4001",), MODEL, 0, 4, expires=now + 30, issued=now)
+    blob, key = sign_record(rec, kp), record_key(MODEL)
+    store = RecordStore(key_for_model=record_key)
+    assert store.answer(RecordsPut(key, (blob, b"\x93garbage"))) == RecordsStored(1)
+    assert store.answer(RecordsGet(key)) == RecordsFound((blob,))
+    assert store.answer(RecordsGet(record_key("other"))) == RecordsFound(())
+    wrong = store.answer(Ping(1))
+    assert isinstance(wrong, Error) and wrong.code == "bad_request"
+
+
+def test_record_store_refuses_hostile_frames_and_keeps_serving() -> None:
+    async def send_raw(a: P2PNode, b: P2PNode, data: bytes) -> Message:
+        raw = await a.open_raw(b.peer_id, b.addrs, RECORDS_PROTOCOL)
+        await raw.write(data)
+        return await FramedStream(raw, RECORDS_LIMITS).receive()
+
+    def framed(wire: dict) -> bytes:
+        body = msgpack.packb(wire, use_bin_type=True)
+        return len(body).to_bytes(4, "big") + body
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with P2PNode(create_new_key_pair()) as a, P2PNode(create_new_key_pair()) as b:
+                # a header claiming more than a records frame holds is answered before any body arrives
+                too_big = await send_raw(a, b, (RECORDS_FRAME_BYTES + 1).to_bytes(4, "big"))
+                assert isinstance(too_big, Error) and too_big.code == "limit"
+                not_msgpack = await send_raw(a, b, b"\x00\x00\x00\x02\xc1\xc1")
+                assert isinstance(not_msgpack, Error) and not_msgpack.code == "bad_frame"
+                short_key = await send_raw(a, b, framed({"v": "1.0", "type": "records_get", "key": b"short"}))
+                assert isinstance(short_key, Error) and "RecordsGet.key" in short_key.message
+                untyped = await send_raw(a, b, framed({"op": "get", "key": record_key(MODEL)}))
+                assert isinstance(untyped, Error)
+                wrong_type = await send_raw(a, b, encode(Ping(1)))
+                assert isinstance(wrong_type, Error) and wrong_type.code == "bad_request"
+                raw = await a.open_raw(b.peer_id, b.addrs, RECORDS_PROTOCOL)
+                assert await ask_records(raw, b.peer_id, RecordsGet(record_key(MODEL))) == RecordsFound(())
+
+    trio.run(main)
 
 
 def test_forged_record_pushed_into_the_dht_is_not_returned() -> None:

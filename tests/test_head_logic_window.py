@@ -47,15 +47,16 @@ def test_shrinks_when_acceptance_is_low() -> None:
 
 def test_overlap_fills_the_trip_and_beats_draft_then_wait() -> None:
     """When windows are (nearly) always accepted, DSD's drafting hides behind the trip: it picks the
-    window whose drafting just fills the round (0.1 s / 0.01 s per token), and its expected token
-    rate is higher than draft-then-wait's at that controller's own choice."""
+    window whose pre-draft — the guessed bonus token plus γ drafts, (γ+1)·d — just fills the round
+    (0.1 s / 0.01 s per token: γ = 9), and its expected token rate is higher than draft-then-wait's
+    at that controller's own choice."""
     hidden = WindowController(overlap=True)
     waited = WindowController(overlap=False)
     for wc in (hidden, waited):
         for _ in range(30):
             g = wc.next_gamma()
             wc.observe(gamma=g, accepted=g, draft_s_per_token=0.01, round_s=0.1)
-    assert hidden.next_gamma() == 10
+    assert hidden.next_gamma() == 9
 
     def rate(wc: WindowController) -> float:
         g = wc.next_gamma()
@@ -141,3 +142,17 @@ def test_window_shrinks_when_verification_compute_grows_with_the_window() -> Non
     assert a == pytest.approx(1.0, abs=1e-6) and b == pytest.approx(0.4, abs=1e-6)
     assert flat.round_model()[1] == pytest.approx(0.0)
     assert sloped.next_gamma() < flat.next_gamma()
+
+
+def test_round_time_matches_a_hand_computed_case() -> None:
+    """T(γ) = P·max(R, (γ+1)·d) + (1 − P)·(R + γ·d), with P the measured ready share once observed."""
+    wc = WindowController(overlap=True, decay=0.5)
+    wc.observe(gamma=4, accepted=4, draft_s_per_token=0.05, round_s=0.2)  # first observation: taken as is
+    wc.observe_ready(True)
+    wc.observe_ready(False)  # EWMA with decay 0.5: 0.5
+    assert wc.ready_share == 0.5
+    r, d, g = 0.2, 0.05, 5
+    assert abs(wc._round_time(g) - (0.5 * max(r, (g + 1) * d) + 0.5 * (r + g * d))) < 1e-12
+    plain = WindowController(overlap=False)
+    plain.observe(gamma=4, accepted=4, draft_s_per_token=0.05, round_s=0.2)
+    assert abs(plain._round_time(g) - (r + g * d)) < 1e-12

@@ -22,7 +22,7 @@ from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.keeper import RouteKeeper
+from dsd.node.route.keeper import open_route_keeper
 from dsd.node.testnet.processes import pid_alive
 from dsd.shard_store import Store
 
@@ -66,7 +66,7 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
     killed_at: list[float] = []
     gaps: list[float] = []  # seconds from a kill to the next accepted tokens
     async with head_node([testnet["bootstrap"]]) as (node, legs):
-        async with RouteKeeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
+        async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
             engine = HeadEngine(RouteBackend(head, keeper, timeout_s=60), NgramDrafter(),
                                 GenerationConfig(mode="dsd", max_new_tokens=N_NEW, gamma=3))
             produced = 0

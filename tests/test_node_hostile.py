@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from dsd.node.peer.host import head_node
 from dsd.node.route.errors import RouteError
-from dsd.node.route.session import RouteSession
+from dsd.node.route.session import RouteSession, open_route_session
 from dsd.node.testnet.processes import pid_alive, spawn, stop_processes, wait_ready
 from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, encode, encode_tensor
 from dsd.protocol import Forward as Fwd
@@ -109,7 +109,7 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
             return head.embed(torch.tensor([ids]))[0].numpy()
 
     async def bad_window(node, legs, label: str, send) -> None:
-        async with RouteSession(node, legs, hops, model=MODEL, max_len=32) as session:
+        async with open_route_session(node, legs, hops, model=MODEL, max_len=32) as session:
             with pytest.raises(RouteError) as info:
                 await send(session)
                 await session.receive_result(timeout=20)
@@ -153,9 +153,9 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
             refused = 0
             async with trio.open_nursery() as nursery:
                 for _ in range(MAX_SESSIONS + 4):
-                    s = RouteSession(node, legs, hops, model=MODEL, max_len=8, nursery=nursery)
+                    s = RouteSession(node, legs, hops, model=MODEL, max_len=8)
                     try:
-                        await s.__aenter__()
+                        await s.open(nursery)
                         sessions.append(s)
                     except RouteError as exc:
                         assert exc.code == "busy", exc
@@ -163,12 +163,12 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
                 assert len(sessions) == MAX_SESSIONS and refused == 4
                 outcomes["flood of session opens"] = f"{MAX_SESSIONS} opened, {refused} refused busy"
                 for s in sessions:
-                    await s.__aexit__(None, None, None)
+                    await s.close()
             await trio.sleep(0.5)
 
             # Afterwards a well-behaved session is still exact.
             ids = [1, 17, 42, 99, 5, 6, 7]
-            async with RouteSession(node, legs, hops, model=MODEL, max_len=32) as session:
+            async with open_route_session(node, legs, hops, model=MODEL, max_len=32) as session:
                 out = await session.forward(embed(ids), start=0, commit=0)
             with torch.no_grad():
                 got = head.logits(torch.from_numpy(out).unsqueeze(0))[0]
@@ -198,7 +198,7 @@ def test_allow_list_refuses_strangers(tiny_qwen2_root: Path, tmp_path: Path) -> 
         async def main() -> None:
             async with head_node([], None) as (node, legs):
                 with pytest.raises(RouteError):
-                    async with RouteSession(node, legs, hops, model=MODEL, max_len=16, open_timeout_s=20):
+                    async with open_route_session(node, legs, hops, model=MODEL, max_len=16, open_timeout_s=20):
                         pass
 
         trio.run(main)

@@ -26,8 +26,8 @@ from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
 from dsd.node.route.generate import generate_once, plan_hops
-from dsd.node.route.keeper import RouteKeeper
-from dsd.node.route.session import RouteSession
+from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.session import open_route_session
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -107,7 +107,7 @@ def test_ring_gives_the_whole_models_logits_with_truncate(testnet: dict, tiny_qw
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             view = await survey(node, MODEL, 5)
             assert view.plan is not None
-            async with RouteSession(node, legs, plan_hops(view.plan), model=MODEL, max_len=64) as session:
+            async with open_route_session(node, legs, plan_hops(view.plan), model=MODEL, max_len=64) as session:
                 out = await session.forward(embed(seq[:, :20]), start=0, commit=0)
                 assert torch.allclose(logits(out), full(seq[:, :20]), atol=1e-4)
                 at = 20
@@ -171,7 +171,7 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
     async def main() -> None:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             view = await survey(node, MODEL, 5)
-            async with RouteKeeper(node, legs, model=MODEL, num_layers=5, max_len=128, hops=plan_hops(view.plan)) as keeper:
+            async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=128, hops=plan_hops(view.plan)) as keeper:
                 session = keeper.session
                 backend = RouteBackend(head, keeper)
                 drafter = ModelDrafter(make_tiny_model("qwen2", seed=5, layers=2), SamplingParams())
@@ -221,9 +221,13 @@ def test_generate_cli_streams_text_and_reports_json(testnet: dict, tiny_qwen2_ro
     report = json.loads(out.stdout)
     assert report["tokens"] == expected
     for key in ("mode", "text", "new_tokens", "elapsed_s", "tokens_per_s", "rounds", "mean_accepted",
-                "acceptance_rate", "bytes_sent", "bytes_received", "route", "time_breakdown", "failovers"):
+                "acceptance_rate", "bytes_sent", "bytes_received", "route", "time_breakdown", "failovers",
+                "drafted", "accepted", "ready_rounds", "ready_share", "windows_after_prefill", "tokens_per_trip"):
         assert key in report, key
-    assert set(report["time_breakdown"]) >= {"drafting_s", "waiting_s", "verifying_s", "drafting_overlapped_s"}
+    assert set(report["time_breakdown"]) >= {"drafting_s", "waiting_s", "verifying_s", "drafting_hidden_used_s",
+                                             "drafting_hidden_wasted_s", "drafting_exposed_s"}
+    assert report["accepted"] <= report["drafted"]
+    assert report["ready_rounds"] <= report["windows_after_prefill"] <= report["rounds"]
     plain = cli(*common, timeout=180)
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert plain.stdout.strip() == report["text"].strip()

@@ -2,7 +2,7 @@
 
 Only ProtocolError may escape the decoder (or decode_tensor / TopKResult.arrays on what it
 returns), and oversized claims must be refused before anything of that size is allocated.
-About 19,500 generated cases run here: 7,500 from hypothesis and 12,000 from seeded loops.
+About 21,000 generated cases run here: 9,000 from hypothesis and 12,000 from seeded loops.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dsd.protocol import (
@@ -68,6 +68,8 @@ def _samples() -> list[Message]:
         Ping(99, b"\x00\x01payload"),
         Pong(2**64 - 1),
         DraftWindow("sess", 0, 3, 3, (151_000, 2, 77), 320, 0.8, 0.95),
+        Forward("sess", 4, 9, 5, encode_tensor(h, "fp16"), (-1, 0, 0), (0, 2, 3, 5)),
+        DraftWindow("sess", 5, 7, 4, (9, 8, 7, 6), 16, 0.0, 1.0, 2, (-1, 0, -1, 2), (1, 2, 4)),
         TopKResult.build("sess", 0, 3, ids, np.take_along_axis(probs, ids, axis=1)),
         TopKResult.build("sess", 0, 3, ids, np.take_along_axis(probs, ids, axis=1), id_codec="uint32", prob_codec="fp32", zstd=True),
         TopKResult.build("sess", 0, 3, *topk_from_probs(probs[:, :40], 40)),
@@ -161,6 +163,58 @@ def test_mutated_message_maps(data: st.DataObject) -> None:
         _mutate(wire, data.draw)
     body = msgpack.packb(wire, use_bin_type=True)
     _survive([len(body).to_bytes(4, "big") + body])
+
+
+tree_items = st.integers(-3, 70) | st.integers(-(2**63), 2**64 - 1) | st.booleans() | st.floats() | st.none() | st.text(max_size=3)
+small_trees = st.integers(1, 5).flatmap(lambda n: st.tuples(*(st.integers(-1, i - 1) for i in range(n))).map(list))
+tree_values = (
+    small_trees  # fits a sample's 3 or 4 rows now and then
+    | small_trees.flatmap(lambda t: st.integers(0, len(t) - 1).flatmap(
+        lambda i: tree_items.map(lambda x: t[:i] + [x] + t[i + 1 :])))  # one entry wrong
+    | st.lists(st.integers(-2, 70), max_size=70)
+    | st.lists(tree_items, max_size=8)
+    | st.just([-1] * 65)
+    | st.just(list(range(-1, 64)))
+    | st.none()
+    | values
+)
+
+
+def _tree_sample(draw: st.DrawFn) -> tuple[Message, dict[str, Any]]:
+    sample = draw(st.sampled_from([m for m in SAMPLES if isinstance(m, Forward | DraftWindow)]))
+    wire = sample.to_wire()
+    rows = len(sample.tokens) if isinstance(sample, DraftWindow) else sample.hidden.shape[-2]
+    fitting = st.tuples(*(st.integers(-1, i - 1) for i in range(rows))).map(list)
+    wire["parents"] = draw(fitting if draw(st.booleans()) else tree_values)
+    if draw(st.booleans()):
+        wire["keep"] = draw(st.lists(st.integers(0, 6), min_size=1, max_size=5) if draw(st.booleans()) else tree_values)
+    if draw(st.integers(0, 3)) == 0:
+        wire["commit"] = None
+    return sample, wire
+
+
+@_fuzz(1500)
+@given(data=st.data())
+def test_fuzzed_tree_fields_decode_only_to_valid_trees(data: st.DataObject) -> None:
+    """Random parents / keep values: a ProtocolError, or a window whose tree holds every wire rule."""
+    sample, wire = _tree_sample(data.draw)
+    body = msgpack.packb(wire, use_bin_type=True)
+    try:
+        (msg,) = FrameDecoder().feed(len(body).to_bytes(4, "big") + body)
+    except ProtocolError as exc:
+        assert exc.code in ("bad_request", "limit", "bad_frame") and exc.field
+        assert exc.field.startswith(type(sample).__name__)
+        return
+    assert isinstance(msg, Forward | DraftWindow)
+    rows = len(msg.tokens) if isinstance(msg, DraftWindow) else msg.hidden.shape[-2]
+    if msg.parents is not None:
+        assert 1 <= len(msg.parents) <= 64 and len(msg.parents) == rows
+        assert all(type(p) is int and -1 <= p < i for i, p in enumerate(msg.parents))
+    if msg.keep is not None:
+        assert msg.commit is not None and 1 <= len(msg.keep) <= 64
+        assert all(type(r) is int and 0 <= r < 64 for r in msg.keep)
+    assert FrameDecoder().feed(encode(msg)) == [msg]
+    event("decoded")
 
 
 @_fuzz(1500)

@@ -92,6 +92,44 @@ def topk_results(draw: st.DrawFn) -> TopKResult:
     )
 
 
+@st.composite
+def trees(draw: st.DrawFn, max_nodes: int = 64) -> tuple[int, ...]:
+    """A random token tree in topological order: each node hangs off an earlier one or the committed token."""
+    n = draw(st.integers(1, max_nodes))
+    return tuple(draw(st.integers(-1, i - 1)) for i in range(n))
+
+
+@st.composite
+def paths(draw: st.DrawFn) -> tuple[int, ...]:
+    """A root-to-node path of a random tree (what a head sends as `keep`)."""
+    parents = draw(trees())
+    node = draw(st.integers(0, len(parents) - 1))
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return tuple(path[::-1])
+
+
+@st.composite
+def tree_forwards(draw: st.DrawFn) -> Forward:
+    """A Forward whose window is a token tree, often committing the accepted path of the last one."""
+    parents = draw(trees())
+    hidden = encode_tensor(np.ones((len(parents), 3), np.float32) * draw(st.floats(-4, 4)), "raw")
+    keep = draw(st.none() | paths())
+    return Forward(draw(names), draw(epochs), draw(positions), draw(positions), hidden, parents, keep)
+
+
+@st.composite
+def tree_draft_windows(draw: st.DrawFn) -> DraftWindow:
+    """A DraftWindow of a token tree, with `keep` or without."""
+    parents = draw(trees())
+    tokens = tuple(draw(st.lists(st.integers(0, 151_935), min_size=len(parents), max_size=len(parents))))
+    rows = draw(st.none() | st.integers(1, len(parents)))
+    return DraftWindow(draw(names), draw(epochs), draw(positions), draw(positions), tokens, draw(st.integers(1, 1000)),
+                       draw(st.floats(0, 4, allow_nan=False)), 1.0, rows, parents, draw(st.none() | paths()))
+
+
 messages = st.one_of(
     st.builds(Hello, st.just(PROTOCOL_VERSION), st.lists(idents, max_size=4).map(tuple), texts, st.lists(idents, max_size=4).map(tuple)),
     st.builds(
@@ -115,6 +153,8 @@ messages = st.one_of(
         st.floats(0.01, 1.0),
     ),
     topk_results(),
+    tree_forwards(),
+    tree_draft_windows(),
 )
 
 
@@ -306,3 +346,83 @@ def test_topk_result_checks_its_parts() -> None:
     ids, p = r.arrays()
     assert ids.tolist() == [[5, 1, 9]]
     np.testing.assert_allclose(p, [[0.5, 0.2, 0.1]], rtol=2**-11)
+
+
+def _tree_forward(**patch: object) -> bytes:
+    """A 3-row Forward frame with `patch` applied to its wire map (as a hostile peer would send it)."""
+    body = Forward("s", 3, 10, 8, encode_tensor(np.ones((3, 4), np.float32), "raw")).to_wire()
+    body.update(patch)
+    return _frame(body)
+
+
+def test_tree_fields_round_trip_and_default_to_a_chain() -> None:
+    hidden = encode_tensor(np.ones((4, 4), np.float32), "raw")
+    tree = Forward("s", 1, 7, 5, hidden, [-1, 0, 0, 2], [0, 1])  # type: ignore[arg-type]
+    assert (tree.parents, tree.keep) == ((-1, 0, 0, 2), (0, 1))
+    body = tree.to_wire()
+    assert (body["parents"], body["keep"]) == ([-1, 0, 0, 2], [0, 1])
+    assert FrameDecoder().feed(encode(tree)) == [tree]
+    chain = Forward("s", 1, 7, 5, hidden)
+    assert (chain.parents, chain.keep) == (None, None)
+    old = chain.to_wire()
+    del old["parents"], old["keep"]  # a 1.0 peer sends neither
+    assert FrameDecoder().feed(_frame(old)) == [chain]
+    window = DraftWindow("s", 0, 3, 3, (5, 6, 7), 8, 0.0, parents=(-1, -1, 1), keep=(2,))
+    assert FrameDecoder().feed(encode(window)) == [window]
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "code"),
+    [
+        ({"parents": [-1, 0, 7]}, "Forward.parents[2]", "bad_request"),  # index out of range
+        ({"parents": [-1, 2, 0]}, "Forward.parents[1]", "bad_request"),  # forward reference
+        ({"parents": [-1, 1, 0]}, "Forward.parents[1]", "bad_request"),  # its own parent: a cycle
+        ({"parents": [0, -1, 0]}, "Forward.parents[0]", "bad_request"),
+        ({"parents": [-1, -2, 0]}, "Forward.parents[1]", "bad_request"),
+        ({"parents": [-1, True, 0]}, "Forward.parents[1]", "bad_request"),
+        ({"parents": [-1, 0.0, 0]}, "Forward.parents[1]", "bad_request"),
+        ({"parents": "-1 0 1"}, "Forward.parents", "bad_request"),
+        ({"parents": []}, "Forward.parents", "bad_request"),
+        ({"parents": [-1] * 65}, "Forward.parents", "limit"),  # before the 65 entries are even looked at
+        ({"parents": [-1, 0]}, "Forward.parents", "bad_request"),  # 2 parents for 3 hidden rows
+        ({"keep": [0, 64]}, "Forward.keep[1]", "bad_request"),
+        ({"keep": [-1]}, "Forward.keep[0]", "bad_request"),
+        ({"keep": []}, "Forward.keep", "bad_request"),
+        ({"keep": [0] * 65}, "Forward.keep", "limit"),
+        ({"keep": [0, 1], "commit": None}, "Forward.keep", "bad_request"),
+        ({"keep": {"0": 1}}, "Forward.keep", "bad_request"),
+    ],
+)
+def test_bad_trees_are_refused_naming_the_index(patch: dict, field: str, code: str) -> None:
+    with pytest.raises(ProtocolError) as ei:
+        FrameDecoder().feed(_tree_forward(**patch))
+    assert (ei.value.field, ei.value.code) == (field, code)
+
+
+def test_tree_checks_apply_at_build_and_under_the_decoders_limits() -> None:
+    hidden = encode_tensor(np.ones((3, 4), np.float32), "raw")
+    with pytest.raises(ProtocolError, match=r"Forward.parents\[2\]: 3 is not -1 or an earlier node in \[0, 2\)"):
+        Forward("s", 0, 0, None, hidden, (-1, 0, 3))
+    with pytest.raises(ProtocolError, match="Forward.parents: 2 parents for a window of 3 hidden rows"):
+        Forward("s", 0, 0, None, hidden, (-1, 0))
+    with pytest.raises(ProtocolError, match="Forward.parents: a tree window needs hidden"):
+        Forward("s", 0, 0, None, encode_tensor(np.ones(3, np.float32), "raw"), (-1, 0, 1))
+    with pytest.raises(ProtocolError, match="Forward.keep: keep needs commit"):
+        Forward("s", 0, 0, None, hidden, None, (0,))
+    with pytest.raises(ProtocolError, match="DraftWindow.parents: 1 parents for a window of 2 tokens"):
+        DraftWindow("s", 0, 0, None, (1, 2), 4, 0.0, parents=(-1,))
+    with pytest.raises(ProtocolError, match=r"DraftWindow.keep\[0\]"):
+        DraftWindow("s", 0, 4, 3, (1, 2), 4, 0.0, keep=(True,))
+    batched = Forward("s", 0, 0, None, encode_tensor(np.ones((1, 3, 4), np.float32), "raw"), (-1, 0, 0))
+    assert batched.parents == (-1, 0, 0)
+
+    five = encode(Forward("s", 0, 0, 0, encode_tensor(np.ones((5, 4), np.float32), "raw"), (-1,) * 5, (0,)))
+    small = Limits(max_tree_nodes=4)
+    with pytest.raises(ProtocolError) as ei:
+        FrameDecoder(small).feed(five)
+    assert (ei.value.field, ei.value.code) == ("Forward.parents", "limit")
+    with pytest.raises(ProtocolError) as ei:
+        FrameDecoder(small).feed(_tree_forward(keep=[0, 1, 2, 4]))
+    assert ei.value.field == "Forward.keep[3]"
+    with pytest.raises(ValueError, match="max_tree_nodes"):
+        Limits(max_tree_nodes=2048)

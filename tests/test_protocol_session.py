@@ -99,3 +99,104 @@ def test_truncate_shrinks_but_never_grows() -> None:
     assert s.truncate("s", 2) == 2 and s.length == 2
     refused(lambda: s.truncate("s", 3), "bad_request", "length", "cannot truncate to 3: only 2 tokens are cached")
     assert s.truncate("s", 0) == 0
+
+
+# --- token trees -------------------------------------------------------------------------------
+
+TREE = (-1, 0, 0, 1, -1)  # depth 3: node 3 sits two below node 0; node 4 is a second root
+
+
+def after_tree(start: int = 5, max_len: int = 16) -> SessionState:
+    """A session holding `start` committed tokens plus the tree TREE appended after them."""
+    s = state(length=start, max_len=max_len, max_window=8)
+    assert s.forward("s", 0, start, None, len(TREE), parents=TREE) == start
+    assert s.length == start + len(TREE)
+    return s
+
+
+def test_a_tree_window_appends_every_node_and_is_remembered_for_keep() -> None:
+    s = after_tree()
+    assert s.begin("s", 0, 8, 5, keep=(0, 1, 3)) == 8  # the accepted path: 3 rows kept after commit 5
+    assert (s.length, s.window) == (8, None)  # a window is kept once
+    assert s.forward("s", 0, 8, None, 2) == 8 and s.length == 10
+
+
+@pytest.mark.parametrize(("keep", "length"), [((4,), 6), ((0, 2), 7), ((0,), 6)])
+def test_keep_accepts_every_root_to_node_path(keep: tuple[int, ...], length: int) -> None:
+    s = after_tree()
+    assert s.begin("s", 1, length, 5, keep) == length
+    assert (s.length, s.epoch) == (length, 1)
+
+
+@pytest.mark.parametrize(
+    ("keep", "field", "text"),
+    [
+        ((0, 1, 2), "keep[2]", "2 is not a child of node 1 (its parent is 0)"),
+        ((1,), "keep[0]", "1 is not a child of the committed token (its parent is 0)"),
+        ((0, 3), "keep[1]", "3 is not a child of node 0 (its parent is 1)"),
+        ((0, 0), "keep[1]", "0 is not a child of node 0"),
+        ((0, 5), "keep[1]", "5 is outside the last window's nodes [0, 5)"),
+        ((4, 4), "keep[1]", "4 is not a child of node 4"),
+    ],
+)
+def test_keep_that_is_not_a_path_is_refused_naming_the_index(keep: tuple[int, ...], field: str, text: str) -> None:
+    s = after_tree()
+    refused(lambda: s.begin("s", 0, 5 + len(keep), 5, keep), "bad_request", field, text)
+    assert s.length == 10 and s.window is not None  # refused: nothing moved, the window can still be kept
+
+
+def test_keep_must_name_the_last_window_by_its_start_and_start_after_the_path() -> None:
+    s = after_tree()
+    refused(lambda: s.begin("s", 0, 6, 4, (0, 1)), "bad_request", "commit",
+            "keep needs commit = 5 (the last window's start), got 4")
+    refused(lambda: s.begin("s", 0, 6, None, (0,)), "bad_request", "keep", "keep needs commit")
+    refused(lambda: s.begin("s", 0, 7, 5, (0, 1, 3)), "bad_request", "start", "window starts at 7 but 8 tokens are cached")
+    refused(lambda: s.begin("s", 0, 9, 11, (0,)), "bad_request", "commit", "cannot truncate to 11")
+    assert s.length == 10 and s.window is not None
+
+
+def test_keep_on_a_chain_is_a_truncate_and_a_cut_window_cannot_be_kept() -> None:
+    s = state(length=3, max_window=8)
+    s.forward("s", 0, 3, None, 4)  # a chain: parents -1, 0, 1, 2
+    refused(lambda: s.begin("s", 0, 4, 3, (1,)), "bad_request", "keep[0]", "1 is not a child of the committed token")
+    assert s.begin("s", 0, 5, 3, (0, 1)) == 5 and s.length == 5
+
+    s = after_tree()
+    s.truncate("s", 9)  # cut into the window: its rows are gone
+    refused(lambda: s.begin("s", 0, 6, 5, (0,)), "bad_request", "keep", "no window to keep nodes of")
+    s = after_tree()
+    assert s.begin("s", 0, 7, 7, None) == 7  # commit alone inside the window also cuts it
+    refused(lambda: s.begin("s", 0, 6, 5, (0,)), "bad_request", "keep", "no window to keep nodes of")
+    s = after_tree()
+    s.forward("s", 0, 10, None, 1)  # a newer window replaces it: commit must name the newer one
+    refused(lambda: s.begin("s", 0, 6, 5, (0,)), "bad_request", "commit", "keep needs commit = 10")
+    refused(lambda: state().begin("s", 0, 1, 0, (0,)), "bad_request", "keep", "no window to keep nodes of")
+
+
+def test_stale_window_with_a_bad_keep_is_dropped() -> None:
+    s = after_tree()
+    s.begin("s", 3, 10, None)
+    assert s.begin("s", 2, 99, 5, (3, 2, 1)) is None
+    assert s.length == 10 and s.window is not None
+
+
+def test_a_tree_must_fit_max_len_by_depth_and_by_rows() -> None:
+    deep = (-1, 0, 1, 2, 3, -1)  # 6 nodes reaching 5 positions
+    s = state(length=11, max_len=16, max_window=8)
+    assert s.forward("s", 0, 11, None, 5, parents=(-1,) * 5) == 11  # 1 position, 5 rows: 16 fits
+    assert s.length == 16
+    s = state(length=12, max_len=16, max_window=8)
+    error = refused(lambda: s.forward("s", 0, 12, None, 6, parents=deep), "limit", "start", "position 17")
+    assert error.message == "position 17 is past the session's max_len 16"
+    s = state(length=11, max_len=16, max_window=8)  # positions fit (16), the rows do not
+    error = refused(lambda: s.forward("s", 0, 11, None, 6, parents=deep), "limit", "parents", "6 nodes")
+    assert error.message == "a tree of 6 nodes needs 17 KV rows, past the session's max_len 16"
+    assert (s.length, s.window) == (11, None)
+    refused(lambda: state(max_window=8).extend(3, (-1, 0)), "bad_request", "parents", "2 parents for a window of 3 tokens")
+
+
+def test_explicit_chain_parents_are_remembered_as_a_chain() -> None:
+    s = state(max_window=8)
+    s.forward("s", 0, 0, None, 3, parents=(-1, 0, 1))
+    assert s.window is not None and s.window.parents is None
+    assert s.begin("s", 0, 2, 0, (0, 1)) == 2

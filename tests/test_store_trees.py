@@ -216,25 +216,25 @@ def test_tree_mask_positions_and_depths() -> None:
 
 
 def test_bad_parents_are_refused_naming_the_bad_index(tiny_llama_store: Path) -> None:
-    with pytest.raises(StoreError, match=r"parents\[3\] = 7 is not -1 or an earlier node in \[0, 3\)"):
+    with pytest.raises(StoreError, match=r"parents\[3\]: 7 is not -1 or an earlier node in \[0, 3\)"):
         check_parents([-1, 0, 1, 7])
-    with pytest.raises(StoreError, match=r"parents\[1\] = -2 "):
+    with pytest.raises(StoreError, match=r"parents\[1\]: -2 "):
         check_parents([-1, -2])
-    with pytest.raises(StoreError, match=r"parents\[2\] = 2 "):  # itself: a cycle
+    with pytest.raises(StoreError, match=r"parents\[2\]: 2 "):  # itself: a cycle
         check_parents([-1, 0, 2])
-    with pytest.raises(StoreError, match=r"parents\[1\] = 3 "):  # forward reference
+    with pytest.raises(StoreError, match=r"parents\[1\]: 3 "):  # forward reference
         check_parents([-1, 3, 0, 1])
-    with pytest.raises(StoreError, match=r"parents\[0\] = 0 "):
+    with pytest.raises(StoreError, match=r"parents\[0\]: 0 "):
         check_parents([0])
-    with pytest.raises(StoreError, match="tree has 32 nodes, at most 31 are allowed"):
+    with pytest.raises(StoreError, match="tree parents: has 32 nodes, at most 31 are allowed"):
         check_parents([-1] * 32, max_nodes=31)
-    with pytest.raises(StoreError, match=f"tree has {MAX_TREE_NODES + 1} nodes"):
+    with pytest.raises(StoreError, match=f"has {MAX_TREE_NODES + 1} nodes"):
         check_parents([-1] * (MAX_TREE_NODES + 1))
     with pytest.raises(StoreError, match="empty"):
         check_parents([])
-    with pytest.raises(StoreError, match=r"parents\[1\] must be an int, got bool"):
+    with pytest.raises(StoreError, match=r"parents\[1\]: must be an int, got bool"):
         check_parents([-1, True])
-    with pytest.raises(StoreError, match=r"parents\[1\] must be an int, got float"):
+    with pytest.raises(StoreError, match=r"parents\[1\]: must be an int, got float"):
         check_parents([-1, 0.0])
     with pytest.raises(StoreError, match="list of ints"):
         check_parents("-1 0")
@@ -246,8 +246,8 @@ def test_bad_parents_are_refused_naming_the_bad_index(tiny_llama_store: Path) ->
     cache = span.new_cache()
     span(torch.randn(1, 4, 64), 0, cache)
     for parents, match in [
-        ([-1, 0, 5], r"parents\[2\] = 5"),
-        ([-1, 1, 0], r"parents\[1\] = 1"),
+        ([-1, 0, 5], r"parents\[2\]: 5"),
+        ([-1, 1, 0], r"parents\[1\]: 1"),
         ([-1, 0], "2 parents but the window has 3 tokens"),
         ([-1] * (MAX_TREE_NODES + 1), "at most"),
     ]:
@@ -267,10 +267,10 @@ def test_keep_refuses_what_is_not_an_accepted_path(tiny_qwen2_store: Path) -> No
     parents = [-1, 0, 0, 1, -1]
     span(torch.randn(1, 5, 64), 5, cache, parents)
     for prefix_len, rows, match in [
-        (5, [0, 2, 3], r"rows\[2\] = 3 is not a child of node 2 \(its parent is 1\)"),
-        (5, [1], r"rows\[0\] = 1 is not a child of the committed token"),
-        (5, [0, 5], r"rows\[1\] = 5 is outside the last window's nodes \[0, 5\)"),
-        (5, [0, -1], r"rows\[1\] = -1 is outside"),
+        (5, [0, 2, 3], r"rows\[2\]: 3 is not a child of node 2 \(its parent is 1\)"),
+        (5, [1], r"rows\[0\]: 1 is not a child of the committed token"),
+        (5, [0, 5], r"rows\[1\]: 5 is outside the last window's nodes \[0, 5\)"),
+        (5, [0, -1], r"rows\[1\]: -1 is outside"),
         (4, [0], "prefix length 4 != the last window's start 5"),
         (-1, [0], "non-negative int"),
     ]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,12 +29,10 @@ from dsd.discovery.host import P2PNode
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.server.ledger import ServerLimits
 from dsd.protocol import (
-    PROTOCOL_VERSION,
     Ack,
     CloseSession,
     DraftWindow,
     Error,
-    Hello,
     OpenSession,
     TopKResult,
     aggregate,
@@ -42,7 +41,7 @@ from dsd.protocol import (
 from dsd.protocol.ids import FEDERATED_PROTOCOL
 from dsd.protocol.topk import RECONSTRUCT_METHODS
 
-from .pool import FederatedError, WorkerInfo, parse_hello, pool_key
+from .pool import FederatedError, WorkerInfo, exchange_hello, pool_key
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +114,9 @@ class _Window:
 class FederatedBackend:
     """The head engine's target backend over federated workers: returns aggregated probabilities [rows, V].
 
-    Use as an async context manager (it opens one session per worker, in parallel, and owns
-    the reader tasks). `returns_probs` tells the engine to verify against log(p̂) at temperature 1.
+    Open it with `open_federated_backend` (one session per worker, opened in parallel, and a
+    reader task per worker in its nursery). `returns_probs` tells the engine to verify against
+    log(p̂) at temperature 1.
     """
 
     returns_probs = True
@@ -176,8 +176,6 @@ class FederatedBackend:
         self.aggregate_s = 0.0
         self._window: _Window | None = None
         self._wake = trio.Event()
-        self._nursery: trio.Nursery | None = None
-        self._nursery_cm = trio.open_nursery()
 
     # --- lifecycle --------------------------------------------------------
 
@@ -185,8 +183,9 @@ class FederatedBackend:
     def active(self) -> list[WorkerLink]:
         return [link for link in self.links if link.state == "active"]
 
-    async def __aenter__(self) -> FederatedBackend:
-        self._nursery = await self._nursery_cm.__aenter__()
+    async def _open_all(self) -> None:
+        """Open every worker's session in parallel; FederatedError (after closing those that opened)
+        when a vocabulary differs or no worker opened."""
         try:
             async with trio.open_nursery() as opening:
                 for link in self.links:
@@ -197,23 +196,10 @@ class FederatedBackend:
             if not self.active:
                 reasons = "; ".join(f"{link.peer_id}: {link.reason}" for link in self.links)
                 raise FederatedError(f"no federated worker could be opened ({reasons})")
-            for link in self.active:
-                self._nursery.start_soon(self._reader, link)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await self._close_all()
-            self._nursery.cancel_scope.cancel()
-            await self._nursery_cm.__aexit__(None, None, None)
             raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        try:
-            await self._close_all()
-        finally:
-            assert self._nursery is not None
-            self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(*exc)
 
     async def _close_all(self) -> None:
         async with trio.open_nursery() as n:
@@ -235,13 +221,7 @@ class FederatedBackend:
         try:
             with trio.fail_after(self.open_timeout_s):
                 link.stream = await self.node.open(info.peer_id, info.addrs, FEDERATED_PROTOCOL)
-                await link.stream.send(Hello(PROTOCOL_VERSION, ("server",), "", ()))
-                hello = await link.stream.receive()
-                if isinstance(hello, Error):
-                    raise FederatedError(f"refused: {hello.code}: {hello.message}")
-                if not isinstance(hello, Hello):
-                    raise FederatedError(f"answered Hello with {type(hello).__name__}")
-                desc = parse_hello(hello)
+                desc = await exchange_hello(link.stream)
                 link.model = desc["model"]
                 if desc["vocab_size"] is not None and desc["vocab_size"] != self.vocab_size:
                     raise FederatedError(
@@ -410,3 +390,30 @@ class FederatedBackend:
             "full_distribution_bytes_per_row": 4 * self.vocab_size,
             "aggregate_s": round(self.aggregate_s, 4),
         }
+
+
+@asynccontextmanager
+async def open_federated_backend(
+    node: P2PNode, workers: Sequence[WorkerInfo], **options: Any
+) -> AsyncIterator[FederatedBackend]:
+    """A `FederatedBackend` (options as its constructor's) with every usable worker's session open for the block.
+
+    Each worker's answers are read by a task in this nursery until the sessions are closed; an
+    error inside the block comes out as itself, not wrapped in an exception group.
+    """
+    backend = FederatedBackend(node, workers, **options)
+    failure: Exception | None = None
+    async with trio.open_nursery() as readers:
+        try:
+            await backend._open_all()
+            for link in backend.active:
+                readers.start_soon(backend._reader, link)
+            try:
+                yield backend
+            finally:
+                await backend._close_all()
+        except Exception as exc:  # re-raised below, once the nursery is closed
+            failure = exc
+        readers.cancel_scope.cancel()
+    if failure is not None:
+        raise failure

@@ -10,7 +10,7 @@ from dsd.discovery.host import P2PNode
 from dsd.node.head.engine import Drafter, GenerationConfig, HeadEngine
 from dsd.node.head.setup import HeadSetup
 
-from .backend import FederatedBackend
+from .backend import open_federated_backend
 from .pool import FederatedError, WorkerInfo, find_workers
 
 log = logging.getLogger(__name__)
@@ -33,19 +33,11 @@ async def generate_federated(
 ) -> dict[str, Any]:
     """One federated generation: open the workers, run the head engine over them, return the `--json` report."""
     max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
-    backend = FederatedBackend(
+    async with open_federated_backend(
         node, workers, vocab_size=vocab_size, params=cfg.params, max_len=max_len, top_k=top_k, weights=weights,
         method=method, window_timeout_s=window_timeout_s,
-    )
-    failure: FederatedError | None = None
-    async with backend:
-        engine = HeadEngine(backend, drafter, cfg, tokenizer)
-        try:
-            result = await engine.generate(prompt, on_tokens=on_tokens)
-        except FederatedError as exc:  # re-raised below, outside the backend's nursery (no exception group)
-            failure = exc
-    if failure is not None:
-        raise failure
+    ) as backend:
+        result = await HeadEngine(backend, drafter, cfg, tokenizer).generate(prompt, on_tokens=on_tokens)
     report = result.as_dict()
     report.update(backend.report())
     n = max(1, len(result.tokens))

@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from dsd.discovery.announce import fetch_records
-from dsd.discovery.framing import close_quietly
+from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import measure_rtt
 from dsd.discovery.records import PeerRecord
@@ -65,20 +65,28 @@ def parse_hello(hello: Hello) -> dict[str, Any]:
             "num_layers": caps.get("layers")}
 
 
+async def exchange_hello(stream: FramedStream) -> dict[str, Any]:
+    """Greet a worker as a server on a fresh `/dsd/federated/1` stream; its Hello as `parse_hello` reads it.
+
+    FederatedError if it refuses or answers something else; the deadline is the caller's.
+    """
+    await stream.send(Hello(PROTOCOL_VERSION, ("server",), "", ()))
+    reply = await stream.receive()
+    if isinstance(reply, Error):
+        raise FederatedError(f"refused Hello: {reply.code}: {reply.message}")
+    if not isinstance(reply, Hello):
+        raise FederatedError(f"answered Hello with {type(reply).__name__}")
+    return parse_hello(reply)
+
+
 async def describe_worker(node: P2PNode, peer_id: str, addrs: Sequence[str], timeout_s: float = 10.0) -> dict[str, Any]:
     """Ask a worker to describe itself (Hello exchange on `/dsd/federated/1`, no session)."""
     with trio.fail_after(timeout_s):
         stream = await node.open(peer_id, addrs, FEDERATED_PROTOCOL)
         try:
-            await stream.send(Hello(PROTOCOL_VERSION, ("server",), "", ()))
-            reply = await stream.receive()
+            return await exchange_hello(stream)
         finally:
             await close_quietly(stream)
-    if isinstance(reply, Error):
-        raise FederatedError(f"worker {peer_id} refused Hello: {reply.code}: {reply.message}")
-    if not isinstance(reply, Hello):
-        raise FederatedError(f"worker {peer_id} answered Hello with {type(reply).__name__}")
-    return parse_hello(reply)
 
 
 async def find_workers(
@@ -99,10 +107,6 @@ async def find_workers(
 
 async def list_workers(node: Any, *, model: str | None, vocab: int | None) -> list[dict[str, Any]]:
     """Live federated workers of `model` (or of vocabulary `vocab`), with RTT and (via Hello) their model."""
-    import trio
-
-    from .pool import describe_worker, find_workers
-
     infos = await find_workers(node, vocab or 0, model=model)
     rows: list[dict[str, Any]] = []
 

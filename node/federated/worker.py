@@ -5,9 +5,10 @@ the whole model (the store's head plus one span covering every layer, so rollbac
 `SpanCache.truncate`). A stream may open with `Hello` (the worker answers with its own:
 model id and capabilities `vocab:V`, `topk_cap:K`, `layers:L`), then `OpenSession`
 (route empty; model = the worker's model id or its vocabulary pool, see `pool_key`),
-`Ack`, and per `DraftWindow` one `TopKResult`: the worker truncates to `commit`, runs the
-window in one forward pass, warps the logits with `dsd.node.sampling.warp` and returns
-the top-K of the last `rows` positions, K = min(requested, its cap).
+`Ack`, and per `DraftWindow` one `TopKResult`: the worker truncates to `commit` (or keeps
+the accepted path `keep` of the last window), runs the window in one forward pass (a token
+tree when it has `parents`), warps the logits with `dsd.node.sampling.warp` and returns
+the top-K of the last `rows` positions (tree nodes, in window order), K = min(requested, its cap).
 
 Greedy (temperature 0): a one-hot would make the aggregate's argmax a majority vote that
 ignores confidence, so for temperature 0 the worker sends its softmax at temperature 1
@@ -92,13 +93,15 @@ def window_topk(
     top_k: int,
     temperature: float,
     top_p: float = 1.0,
+    parents: Sequence[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Run `tokens` at positions start.. through the whole model (appending to `cache`) and return the
-    top-K (ids int64 [rows, k], probs float32 [rows, k]) of the last `rows` warped distributions and
-    the mean missing mass eps. Temperature 0 is sent as the temperature-1 softmax (see module doc)."""
+    """Run `tokens` at positions start.. through the whole model (appending to `cache`; a token tree
+    if `parents`) and return the top-K (ids int64 [rows, k], probs float32 [rows, k]) of the last
+    `rows` warped distributions and the mean missing mass eps. Temperature 0 is sent as the
+    temperature-1 softmax (see module doc)."""
     with torch.inference_mode():
         hidden = head.embed(torch.tensor([list(tokens)], dtype=torch.long))
-        hidden = span(hidden, start, cache)
+        hidden = span(hidden, start, cache, parents)
         logits = head.logits(hidden[:, -rows:])[0].to(torch.float32)
     params = SamplingParams(temperature=1.0) if temperature == 0 else SamplingParams(temperature=temperature, top_p=top_p)
     probs = warp(logits, params).numpy()
@@ -254,11 +257,14 @@ class FederatedWorker:
 
     async def _window(self, session: WorkerSession, msg: DraftWindow) -> TopKResult | None:
         n = len(msg.tokens)
-        keep = session.state.forward(msg.session, msg.epoch, msg.start, msg.commit, n)
-        if keep is None:
+        length = session.state.forward(msg.session, msg.epoch, msg.start, msg.commit, n, parents=msg.parents, keep=msg.keep)
+        if length is None:
             log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.state.epoch)
             return None
-        session.cache.truncate(keep)
+        if msg.keep and msg.commit is not None:  # the state checked the path against the last window
+            session.cache.keep(msg.commit, msg.keep)
+        else:
+            session.cache.truncate(length)
         bad = next((t for t in msg.tokens if t >= self.vocab_size), None)
         if bad is not None:
             raise SessionError("bad_request", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -266,7 +272,7 @@ class FederatedWorker:
         k = min(msg.top_k, self.topk_cap)
         ids, p, _ = await trio.to_thread.run_sync(
             lambda: window_topk(self.head, self.span, session.cache, msg.tokens, msg.start, rows=rows, top_k=k,
-                                temperature=msg.temperature, top_p=msg.top_p),
+                                temperature=msg.temperature, top_p=msg.top_p, parents=msg.parents),
             limiter=self._compute,
         )
         session.windows += 1

@@ -3,10 +3,12 @@
 The head keeps the committed tokens; the target's KV (on the peers) holds all of
 them but the last. A window is `[last committed token, d1..dγ]`: the target
 returns logits for γ+1 positions, the verifier keeps a prefix of the drafts and
-adds one correction or bonus token. In `dsd` mode the head drafts the next
-window while the current one is in flight, assuming it will be fully accepted
-(its first drafted token is a guess of the bonus token); if that guess holds,
-the next window goes out the moment the result is verified.
+adds one correction or bonus token. In `dsd` mode, while a window is in flight,
+the head drafts the next window for each likely outcome of this one (full
+acceptance with a guessed bonus token, and rejection at the positions where the
+draft was least sure, rooted at its best alternative there: `outcomes.py`); all
+branches advance in one batched draft step. If the verdict matches a branch, that
+branch goes out as the next window at once ("a ready window").
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 import trio
 
 from .adaptive import AdaptiveVerifier
 from .modes import MODES
+from .outcomes import Branch, bonus_alternatives, pick, plan_branches
+from .report import GenerationResult, TimeBreakdown
 from .sampling import SamplingParams
 from .verify import Decoder, find_stop, verify_window
 from .window import WindowController
@@ -63,69 +66,16 @@ class GenerationConfig:
     eos_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     result_timeout_s: float = 300.0
+    branches: int = 8  # dsd: outcome branches pre-drafted besides full acceptance (0 = only that guess)
+    alternatives: int = 2  # dsd: alternative tokens bet on per draft position
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-
-
-@dataclass
-class TimeBreakdown:
-    """Where the head's wall time went, in seconds."""
-
-    drafting: float = 0.0
-    drafting_overlapped: float = 0.0
-    waiting: float = 0.0
-    verifying: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "drafting_s": round(self.drafting, 4),
-            "drafting_overlapped_s": round(self.drafting_overlapped, 4),
-            "waiting_s": round(self.waiting, 4),
-            "verifying_s": round(self.verifying, 4),
-            "overlap_share": round(self.drafting_overlapped / self.drafting, 4) if self.drafting > 0 else 0.0,
-        }
-
-
-@dataclass
-class GenerationResult:
-    """New tokens and the statistics `--json` reports."""
-
-    mode: str
-    tokens: list[int]
-    elapsed_s: float
-    rounds: int
-    drafted: int
-    accepted: int
-    accepted_per_round: list[int]
-    times: TimeBreakdown
-    prefill_s: float = 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return float(np.mean(self.accepted_per_round)) if self.accepted_per_round else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def as_dict(self) -> dict:
-        n = len(self.tokens)
-        return {
-            "mode": self.mode,
-            "tokens": self.tokens,
-            "new_tokens": n,
-            "elapsed_s": round(self.elapsed_s, 4),
-            "prefill_s": round(self.prefill_s, 4),
-            "tokens_per_s": round(n / self.elapsed_s, 4) if self.elapsed_s > 0 else 0.0,
-            "rounds": self.rounds,
-            "mean_accepted": round(self.mean_accepted, 4),
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "time_breakdown": self.times.as_dict(),
-        }
+        if self.branches < 0 or self.alternatives < 1:
+            raise ValueError("branches must be >= 0 and alternatives >= 1")
 
 
 @dataclass
@@ -138,6 +88,29 @@ class _Draft:
         if not rows or any(p is None for p in rows):
             return None
         return torch.stack([p for p in rows if p is not None])
+
+
+@dataclass
+class _Bets:
+    """The branches pre-drafted during one trip and what drafting them cost (seconds per branch)."""
+
+    branches: list[Branch]
+    cost: dict[int, float]  # id(branch) -> hidden drafting seconds spent on it
+    hidden: bool  # False when the verdict arrived before the first step finished
+
+
+@dataclass
+class _Tally:
+    """Counters of one generation."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_round: list[int] = field(default_factory=list)
+    windows_after_prefill: int = 0
+    ready: int = 0
+    branches: int = 0
+    prefill_s: float = 0.0
 
 
 class HeadEngine:
@@ -154,8 +127,9 @@ class HeadEngine:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.cfg = cfg
-        # In dsd the drafting hides behind the trip; in sd it adds to it.
-        self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=cfg.mode != "sd")
+        self.overlap = cfg.mode in ("dsd", "dsd-adaptive")
+        # In dsd the drafting hides behind the trip (when a branch comes true); in sd it adds to it.
+        self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=self.overlap)
         # A probability backend already applied temperature/top-p: verify against log(p) at temperature 1
         # (warp gives p back; the user's top-k, if any, then filters the aggregate); greedy = argmax of p.
         self.returns_probs = bool(getattr(backend, "returns_probs", False))
@@ -176,78 +150,96 @@ class HeadEngine:
         assert self.drafter is not None
         return self.drafter.propose(context, gamma)
 
-    async def _draft(self, context: list[int], gamma: int, stop: trio.Event | None = None) -> _Draft:
-        """Draft up to `gamma` tokens one step at a time; stop early once `stop` is set (the result is in)."""
-        out = _Draft([], [])
-        overlapped = stop is not None
-        while len(out.tokens) < gamma and not (stop is not None and stop.is_set() and out.tokens):
-            step = 1 if stop is not None else gamma - len(out.tokens)
+    def _step(self, contexts: list[list[int]]) -> list[tuple[int | None, torch.Tensor | None]]:
+        """One draft token after each context: batched when the drafter can, else one call each."""
+        assert self.drafter is not None
+        step_many = getattr(self.drafter, "step_many", None)
+        if step_many is not None:
+            return list(step_many(contexts))
+        out: list[tuple[int | None, torch.Tensor | None]] = []
+        for ctx in contexts:
+            toks, probs = self.drafter.propose(ctx, 1)
+            out.append((toks[0], None if probs is None else probs[0]) if toks else (None, None))
+        return out
+
+    async def _draft(self, context: list[int], gamma: int) -> _Draft:
+        """Draft `gamma` tokens after `context` on the critical path (after a trip, or in `sd`)."""
+        t0 = time.perf_counter()
+        toks, probs = await trio.to_thread.run_sync(self._propose, context, gamma)
+        dt = time.perf_counter() - t0
+        self.times.drafting += dt
+        if toks:
+            self._draft_token_s = dt / len(toks)
+        return _Draft(list(toks), list(probs) if probs is not None else [None] * len(toks))
+
+    async def _predraft(self, committed: list[int], drafts: _Draft, gamma: int, arrived: trio.Event,
+                        due: float | None) -> _Bets:
+        """While the window flies: advance every outcome branch one batched step at a time until the
+        verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
+
+        A batched step costs more than a single one, so when the steps still needed would run past
+        the trip's expected end (`due`, a perf_counter time), the least likely half of the other
+        branches is dropped: the main branch must be ready first."""
+        branches = plan_branches(committed, drafts.tokens, drafts.probs, max_branches=self.cfg.branches,
+                                 alternatives=self.cfg.alternatives)
+        bets = _Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
+        dead: set[int] = set()
+        first = True
+        while True:
+            active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)]
+            if not active or (arrived.is_set() and not first):
+                break
             t0 = time.perf_counter()
-            toks, probs = await trio.to_thread.run_sync(self._propose, context + out.tokens, step)
+            rows = await trio.to_thread.run_sync(self._step, [b.context for b in active])
             dt = time.perf_counter() - t0
             self.times.drafting += dt
-            if overlapped and not (stop is not None and stop.is_set()):
-                self.times.drafting_overlapped += dt
-            if not toks:
-                break
-            self._draft_token_s = dt / len(toks)
-            out.tokens.extend(toks)
-            out.probs.extend(list(probs) if probs is not None else [None] * len(toks))
-        return out
+            if arrived.is_set():
+                bets.hidden = bets.hidden and not first
+            if due is not None and len(active) > 1:
+                left = max(gamma - len(b.tokens) + (b.root is None) for b in active) - 1
+                if time.perf_counter() + left * dt > due:
+                    others = sorted((b for b in active if not b.main), key=lambda b: b.value)
+                    dead.update(id(b) for b in others[: max(1, len(others) // 2)])
+            for b, (tok, q) in zip(active, rows, strict=True):
+                bets.cost[id(b)] += dt / len(active)
+                if tok is None:
+                    dead.add(id(b))
+                elif b.root is None:
+                    b.root, b.value = tok, b.value * (float(q[tok]) if q is not None else 1.0)
+                    if q is not None:
+                        extra = bonus_alternatives(b, q, room=self.cfg.branches + 1 - len(branches),
+                                                   alternatives=self.cfg.alternatives)
+                        branches.extend(extra)
+                        bets.cost.update({id(x): 0.0 for x in extra})
+                else:
+                    b.tokens.append(tok)
+                    b.probs.append(q)
+            self._draft_token_s = dt  # one batched step extends every branch by one token
+            first = False
+        return bets
 
     # --- the loop ---------------------------------------------------------
 
     async def generate(self, prompt: Sequence[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        cfg = self.cfg
+        """Generate until EOS, a stop string or max_new_tokens; greedy output equals the target's alone."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         committed = list(prompt)
         self.progress = new = []
         t_start = time.perf_counter()
-        rounds = drafted_total = accepted_total = 0
-        per_round: list[int] = []
-        epoch = 0
-        # Prefill: the whole prompt; its last logits give the first new token.
-        window = list(prompt)
-        drafts = _Draft([], [])
-        start = 0
-        prefill_s = 0.0
-        finished = False
-        while not finished:
+        tally = _Tally()
+        epoch, start = 0, 0
+        window, drafts = list(prompt), _Draft([], [])
+        while True:
             await self.backend.submit(window, start=start, commit=start, epoch=epoch)
-            t_sent = time.perf_counter()
-            pre: _Draft | None = None
-            gamma_next = self._next_gamma(len(new) + len(drafts.tokens) + 1)
-            if cfg.mode in ("dsd", "dsd-adaptive") and gamma_next > 0:
-                # Draft the next window during the trip, assuming this one is fully accepted.
-                arrived = trio.Event()
-                box: list[torch.Tensor | Exception] = []
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._collect_into, box, arrived, epoch, len(drafts.tokens) + 1)
-                    pre = await self._draft(committed + drafts.tokens, gamma_next + 1, stop=arrived)
-                    t_wait = time.perf_counter()
-                    await arrived.wait()
-                    self.times.waiting += time.perf_counter() - t_wait
-                if isinstance(box[0], Exception):
-                    raise box[0]
-                logits = box[0]
-            else:
-                t_wait = time.perf_counter()
-                logits = await self.backend.collect(epoch=epoch, rows=len(drafts.tokens) + 1)
-                self.times.waiting += time.perf_counter() - t_wait
-            round_s = time.perf_counter() - t_sent
+            logits, bets, round_s = await self._trip(committed, drafts, epoch, len(new))
             if start == 0:
-                prefill_s = round_s
+                tally.prefill_s = round_s
             t_v = time.perf_counter()
             verdict_tokens, k = self._verify(logits, drafts)
             self.times.verifying += time.perf_counter() - t_v
-            rounds += 1
             gamma = len(drafts.tokens)
-            if gamma:
-                drafted_total += gamma
-                accepted_total += k
-                per_round.append(k)
-                self.window.observe(gamma=gamma, accepted=k, draft_s_per_token=self._draft_token_s or 1e-3, round_s=round_s)
+            self._count(tally, gamma, k, round_s)
             emitted, finished = self._clip(verdict_tokens, new)
             new.extend(emitted)
             committed.extend(emitted)
@@ -258,27 +250,71 @@ class HeadEngine:
             start = len(committed) - 1
             if gamma and k < gamma:
                 epoch += 1
-            # The next window: reuse the pre-drafted one if its bonus guess came true.
-            gamma_next = self._next_gamma(len(new) + 1)
-            drafts = _Draft([], [])
-            if pre is not None and k == gamma and pre.tokens and pre.tokens[0] == committed[-1]:
-                drafts = _Draft(pre.tokens[1 : gamma_next + 1], pre.probs[1 : gamma_next + 1])
-            if len(drafts.tokens) < gamma_next:
-                more = await self._draft(committed + drafts.tokens, gamma_next - len(drafts.tokens))
-                drafts = _Draft(drafts.tokens + more.tokens, drafts.probs + more.probs)
+            drafts = await self._next_window(committed, k, bets, tally, len(new))
             window = [committed[-1], *drafts.tokens]
-        elapsed = time.perf_counter() - t_start
         return GenerationResult(
-            mode=cfg.mode,
-            tokens=new,
-            elapsed_s=elapsed,
-            rounds=rounds,
-            drafted=drafted_total,
-            accepted=accepted_total,
-            accepted_per_round=per_round,
-            times=self.times,
-            prefill_s=prefill_s,
+            mode=self.cfg.mode, tokens=new, elapsed_s=time.perf_counter() - t_start, rounds=tally.rounds,
+            drafted=tally.drafted, accepted=tally.accepted, accepted_per_round=tally.per_round, times=self.times,
+            prefill_s=tally.prefill_s, windows_after_prefill=tally.windows_after_prefill, ready_rounds=tally.ready,
+            branches_drafted=tally.branches,
         )
+
+    async def _trip(self, committed: list[int], drafts: _Draft, epoch: int, produced: int) -> tuple[torch.Tensor, _Bets | None, float]:
+        """Wait for the window's target logits; in dsd, pre-draft the outcome branches meanwhile."""
+        t_sent = time.perf_counter()
+        rows = len(drafts.tokens) + 1
+        gamma_next = self._next_gamma(produced + len(drafts.tokens) + 1)
+        bets: _Bets | None = None
+        if self.overlap and gamma_next > 0:
+            arrived = trio.Event()
+            box: list[torch.Tensor | Exception] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._collect_into, box, arrived, epoch, rows)
+                expected = self.window.expected_round_s(len(drafts.tokens))
+                due = None if expected is None else t_sent + expected
+                bets = await self._predraft(committed, drafts, gamma_next, arrived, due)
+                t_wait = time.perf_counter()
+                await arrived.wait()
+                self.times.waiting += time.perf_counter() - t_wait
+            if isinstance(box[0], Exception):
+                raise box[0]
+            logits = box[0]
+        else:
+            t_wait = time.perf_counter()
+            logits = await self.backend.collect(epoch=epoch, rows=rows)
+            self.times.waiting += time.perf_counter() - t_wait
+        return logits, bets, time.perf_counter() - t_sent
+
+    def _count(self, tally: _Tally, gamma: int, k: int, round_s: float) -> None:
+        tally.rounds += 1
+        if gamma:
+            tally.drafted += gamma
+            tally.accepted += k
+            tally.per_round.append(k)
+            self.window.observe(gamma=gamma, accepted=k, draft_s_per_token=self._draft_token_s or 1e-3, round_s=round_s)
+
+    async def _next_window(self, committed: list[int], k: int, bets: _Bets | None, tally: _Tally, produced: int) -> _Draft:
+        """The next window's drafts: the branch that bet on this outcome if one did, else drafted now."""
+        gamma_next = self._next_gamma(produced + 1)
+        tally.windows_after_prefill += 1
+        drafts = _Draft([], [])
+        chosen = pick(bets.branches, k, committed[-1]) if bets is not None else None
+        if bets is not None:
+            tally.branches += len(bets.branches)
+            spent = sum(bets.cost.values())
+            used = bets.cost[id(chosen)] if chosen is not None and bets.hidden else 0.0
+            self.times.drafting_hidden_used += used
+            self.times.drafting_hidden_wasted += spent - used if bets.hidden else 0.0
+        if chosen is not None and gamma_next > 0:
+            drafts = _Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])
+            tally.ready += 1
+        self.window.observe_ready(chosen is not None)
+        if not drafts.tokens and gamma_next > 0:
+            drafts = await self._draft(committed, gamma_next)
+        settle = getattr(self.drafter, "settle", None)
+        if settle is not None and bets is not None:
+            settle(committed + drafts.tokens)  # drop the other branches from the draft's cache
+        return drafts
 
     async def _collect_into(self, box: list, arrived: trio.Event, epoch: int, rows: int) -> None:
         """Collect the window's logits in a side task; a failure is handed back, not raised in the nursery."""

@@ -3,9 +3,11 @@
 Model (per round, i.i.d. acceptance α per draft token, estimated online):
 
     E(γ)  = (1 − α^{γ+1}) / (1 − α)          expected tokens emitted per round
-    T(γ)  = P·max(R(γ), γ·d) + (1 − P)·(R(γ) + γ·d)   (overlap=True: DSD drafts the next window
-                               while this one flies; that draft is only usable when the whole window
-                               and the guessed bonus token are accepted, P = α^{γ+1})
+    T(γ)  = P·max(R(γ), (γ+1)·d) + (1 − P)·(R(γ) + γ·d)   (overlap=True: DSD drafts the next
+                               window — γ tokens after a guessed root — for the likely outcomes while
+                               this one flies; it is usable when the verdict matches a branch. P is
+                               the measured share of ready windows (EWMA) once rounds have been
+                               seen; before that, α^{γ+1}: only the full-acceptance guess counts)
           = R(γ) + γ·d         (overlap=False: draft-then-wait speculative decoding)
     R(γ)  = a + b·(γ+1)        round time of a window of γ+1 tokens: a = links, b = the peers'
                                per-token verification compute (large on CPUs, ~0 on GPUs)
@@ -70,6 +72,7 @@ class WindowController:
         self._draft_s: float | None = None
         self._round_s: float | None = None
         self._rounds: deque[tuple[int, float]] = deque(maxlen=16)  # (window tokens, round seconds)
+        self._ready: float | None = None  # EWMA of "the next window was pre-drafted" (dsd)
 
     @property
     def alpha(self) -> float:
@@ -113,6 +116,16 @@ class WindowController:
         self._round_s = round_s if self._round_s is None else self.decay * self._round_s + w * round_s
         self._rounds.append((gamma + 1, round_s))
 
+    def observe_ready(self, ready: bool) -> None:
+        """Record whether the window after a trip was ready (a pre-drafted branch matched the verdict)."""
+        x = 1.0 if ready else 0.0
+        self._ready = x if self._ready is None else self.decay * self._ready + (1.0 - self.decay) * x
+
+    @property
+    def ready_share(self) -> float | None:
+        """Smoothed share of ready windows (None before any observation)."""
+        return self._ready
+
     def round_model(self) -> tuple[float, float]:
         """(a, b) of R(γ) = a + b·(γ+1), fitted on recent rounds; b = 0 while window sizes have not varied."""
         r = self._round_s or 0.0
@@ -128,14 +141,20 @@ class WindowController:
         slope = min(max(slope, 0.0), my / mx)
         return max(my - slope * mx, 0.0), slope
 
-    def _round_time(self, gamma: int) -> float:
+    def expected_round_s(self, gamma: int) -> float | None:
+        """R(γ): the expected trip of a window of γ drafts (None before any round was seen)."""
+        if self._round_s is None:
+            return None
         a, b = self.round_model()
-        r = a + b * (gamma + 1) if b > 0 else (self._round_s or 0.0)
+        return a + b * (gamma + 1) if b > 0 else self._round_s
+
+    def _round_time(self, gamma: int) -> float:
+        r = self.expected_round_s(gamma) or 0.0
         d = self._draft_s or 0.0
         if not self.overlap:
             return r + gamma * d
-        p_hidden = self.alpha ** (gamma + 1)
-        return p_hidden * max(r, gamma * d) + (1.0 - p_hidden) * (r + gamma * d)
+        p_hidden = self._ready if self._ready is not None else self.alpha ** (gamma + 1)
+        return p_hidden * max(r, (gamma + 1) * d) + (1.0 - p_hidden) * (r + gamma * d)
 
     def next_gamma(self) -> int:
         """γ for the next window (the fixed override if one was given)."""

@@ -13,7 +13,7 @@ from dsd.protocol import Hop, WireFormat
 
 from .backend import RouteBackend
 from .errors import RouteError
-from .keeper import Blacklist, RouteKeeper
+from .keeper import Blacklist, open_route_keeper
 from .legs import ReturnLegs
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,10 @@ async def generate_once(
 ) -> dict:
     """Generate once over a planned route (failing over when a peer fails); returns the `--json` report."""
     max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
-    keeper = RouteKeeper(
-        node, legs, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire, hops=hops,
+    async with open_route_keeper(
+        node, legs, hops=hops, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire,
         blacklist=blacklist,
-    )
-    async with keeper:
+    ) as keeper:
         backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s)
         engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
 

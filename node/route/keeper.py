@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -63,18 +65,22 @@ class FailoverEvent:
 
 
 class RouteKeeper:
-    """Owns the head's current `RouteSession` and replaces it when it fails."""
+    """Owns the head's current `RouteSession` and replaces it when it fails (from any task).
+
+    Every session's watcher runs in `nursery`, the keeper's own (see `open_route_keeper`), under
+    that session's cancel scope, so closing a failed session stops just its watcher.
+    """
 
     def __init__(
         self,
         node: P2PNode,
         legs: ReturnLegs,
+        nursery: trio.Nursery,
         *,
         model: str,
         num_layers: int,
         max_len: int,
         wire: WireFormat | None = None,
-        hops: list[Hop] | None = None,
         blacklist: Blacklist | None = None,
         max_failovers: int = 8,
         probe_timeout_s: float = 3.0,
@@ -92,26 +98,7 @@ class RouteKeeper:
         self.session: RouteSession | None = None
         self._closed_sent = 0
         self._closed_received = 0
-        self._initial_hops = hops
-        self._stack = AsyncExitStack()
-        self._nursery: trio.Nursery | None = None
-
-    async def __aenter__(self) -> RouteKeeper:
-        await self._stack.__aenter__()
-        try:
-            self._nursery = await self._stack.enter_async_context(trio.open_nursery())
-            hops = self._initial_hops or await self._plan()
-            await self._open(hops)
-        except BaseException as exc:
-            await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        await self._close_session()
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-        return await self._stack.__aexit__(*exc)
+        self._nursery = nursery
 
     async def _plan(self) -> list[Hop]:
         view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active())
@@ -121,10 +108,8 @@ class RouteKeeper:
         return list(view.plan.protocol_hops())
 
     async def _open(self, hops: list[Hop]) -> None:
-        session = RouteSession(
-            self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire, nursery=self._nursery
-        )
-        await session.__aenter__()
+        session = RouteSession(self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire)
+        await session.open(self._nursery)
         self.session = session
 
     @property
@@ -142,14 +127,10 @@ class RouteKeeper:
             return
         self._closed_sent += session.traffic.sent
         self._closed_received += session.traffic.received
-        with trio.move_on_after(5):
-            try:
-                await session.__aexit__(None, None, None)
-            except Exception as exc:  # the old route is broken; closing it may fail too
-                log.debug("closing the failed session: %r", exc)
+        await session.close()  # best effort within its own deadline: the old route may be broken
 
     async def _blame(self, error: RouteError, hops: list[Hop]) -> list[str]:
-        """Peers to blacklist: those not answering a ping, else the one the error names."""
+        """Peers to blacklist: those not answering a ping, else the one the error blames (`error.peer`)."""
         dead: list[str] = []
 
         async def probe(hop: Hop) -> None:
@@ -163,8 +144,7 @@ class RouteKeeper:
                 nursery.start_soon(probe, hop)
         if dead:
             return dead
-        named = error.peer or next((h.peer_id for h in hops if h.peer_id in str(error)), None)
-        return [named] if named else []
+        return [error.peer] if error.peer else []
 
     async def replace(self, error: RouteError) -> RouteSession:
         """Blacklist the culprits, re-plan and open a new session; raises NoRouteError if none is left."""
@@ -184,3 +164,27 @@ class RouteKeeper:
         log.warning("failover %d: new route %s in %.2f s", len(self.events), event.new_route, event.seconds)
         assert self.session is not None
         return self.session
+
+
+@asynccontextmanager
+async def open_route_keeper(
+    node: P2PNode, legs: ReturnLegs, *, hops: list[Hop] | None = None, **options: Any
+) -> AsyncIterator[RouteKeeper]:
+    """A `RouteKeeper` (options as its constructor's) with a session open on `hops` (else on a fresh plan) for the block.
+
+    The keeper's nursery holds its sessions' watchers; an error inside the block comes out as
+    itself, not wrapped in an exception group.
+    """
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        keeper = RouteKeeper(node, legs, nursery, **options)
+        try:
+            await keeper._open(hops or await keeper._plan())
+            try:
+                yield keeper
+            finally:
+                await keeper._close_session()
+        except Exception as exc:  # re-raised below, once the nursery is closed
+            failure = exc
+    if failure is not None:
+        raise failure

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import trio
 
-from dsd.discovery.framing import FramedStream
+from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
 from dsd.protocol import (
     Ack,
@@ -49,7 +51,8 @@ class Traffic:
 
 
 class RouteSession:
-    """One inference session over a chain of block peers; an async context manager owning its tasks."""
+    """One inference session over a chain of block peers: `open` it in a nursery that runs its watcher, `close` it
+    from any task (see `open_route_session` for the plain `async with` form)."""
 
     def __init__(
         self,
@@ -62,7 +65,6 @@ class RouteSession:
         wire: WireFormat | None = None,
         open_timeout_s: float = 60.0,
         session_id: str | None = None,
-        nursery: trio.Nursery | None = None,
     ) -> None:
         if not hops:
             raise ValueError("a route needs at least one hop")
@@ -77,10 +79,7 @@ class RouteSession:
         self.traffic = Traffic()
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
-        # The watcher task runs in the caller's nursery when given (so the session can be opened
-        # and closed from different tasks), else in one this session opens for itself.
-        self._nursery = nursery
-        self._own_nursery_cm = None if nursery is not None else trio.open_nursery()
+        # The watcher runs in whichever nursery `open` is given; `close` (from any task) cancels this scope.
         self._watch_scope = trio.CancelScope()
 
     @property
@@ -90,28 +89,18 @@ class RouteSession:
     def head_hop(self) -> Hop:
         return Hop(self.node.peer_id, tuple(self.node.addrs), 0, 0)
 
-    async def __aenter__(self) -> RouteSession:
-        if self._own_nursery_cm is not None:
-            self._nursery = await self._own_nursery_cm.__aenter__()
+    async def open(self, nursery: trio.Nursery) -> None:
+        """Open the route (RouteError on refusal or after `open_timeout_s`); then watch the first stream in `nursery`."""
         try:
             await self._open()
-        except BaseException as exc:  # noqa: BLE001  (re-raised below, after the nursery is closed)
-            self._watch_scope.cancel()
+        except BaseException:
             self.legs.forget(self.id)
-            if self._own_nursery_cm is not None:
-                await self._own_nursery_cm.__aexit__(None, None, None)
-            raise exc
-        return self
-
-    async def __aexit__(self, *exc: object) -> bool | None:
-        try:
-            await self._close()
-        finally:
-            self._watch_scope.cancel()
-            self.legs.forget(self.id)
-        if self._own_nursery_cm is not None:
-            return await self._own_nursery_cm.__aexit__(*exc)
-        return None
+            if self._stream is not None:
+                with trio.CancelScope(shield=True):
+                    await close_quietly(self._stream, timeout_s=2.0)
+            raise
+        nursery.start_soon(self._watch_first_stream)
+        log.info("session %s open over %d peers", self.id, len(self.hops))
 
     async def _open(self) -> None:
         first = self.hops[0]
@@ -135,9 +124,6 @@ class RouteSession:
             raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id) from exc
         except (EOFError, ProtocolError, OSError) as exc:
             raise RouteError(f"opening the route failed: {exc!r}", peer=first.peer_id) from exc
-        assert self._nursery is not None
-        self._nursery.start_soon(self._watch_first_stream)
-        log.info("session %s open over %d peers", self.id, len(self.hops))
 
     async def _watch_first_stream(self) -> None:
         """Errors relayed back along the chain arrive on the first stream; hand them to the inbox."""
@@ -163,9 +149,11 @@ class RouteSession:
     async def _next_message(self) -> Message:
         assert self._inbox is not None
         item = await self._inbox.receive()
+        failed: str | None = None
         if isinstance(item, RouteError) and item.code == "route":
             # A stream ended; the peer that caused it usually sends an Error along the ring
             # right behind: prefer that, it names the culprit.
+            failed = item.peer
             with trio.move_on_after(1.0):
                 follow = await self._inbox.receive()
                 if isinstance(follow, Error):
@@ -173,15 +161,12 @@ class RouteSession:
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, Error):
-            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=self._culprit(item.message))
+            raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=self._blamed(item, failed))
         return item
 
-    def _culprit(self, message: str) -> str | None:
-        """A peer's error starts with its own id; another hop it names (next hop unreachable,
-        upstream gone) is the one to blame, else the reporter itself."""
-        reporter = next((h.peer_id for h in self.hops if message.startswith(h.peer_id)), None)
-        others = [h.peer_id for h in self.hops if h.peer_id in message and h.peer_id != reporter]
-        return others[0] if others else reporter
+    def _blamed(self, error: Error, failed: str | None) -> str | None:
+        """The hop the error's `blame` names, else (no blame, or not on this route) the peer whose stream failed."""
+        return error.blame if error.blame in self.peers else failed
 
     async def send_message(self, msg: Message) -> None:
         """Send any message on the session's first stream (windows normally go through `send_window`)."""
@@ -191,9 +176,25 @@ class RouteSession:
         except Exception as exc:  # reset, closed, peer gone
             raise RouteError(f"sending to the first peer failed: {exc!r}", peer=self.hops[0].peer_id) from exc
 
-    async def send_window(self, hidden: np.ndarray, *, start: int, commit: int | None, epoch: int = 0) -> None:
-        """Send hidden states [tokens, hidden] at positions start.. down the route (does not wait)."""
-        await self.send_message(Forward(self.id, epoch, start, commit, self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))))
+    async def send_window(
+        self,
+        hidden: np.ndarray,
+        *,
+        start: int,
+        commit: int | None,
+        epoch: int = 0,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> None:
+        """Send hidden states [tokens, hidden] at positions start.. down the route (does not wait).
+
+        `parents` makes the window a token tree; `keep` commits the accepted path of the previous
+        window (root first) after `commit` = its start, so then start = commit + len(keep).
+        """
+        wire = self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))
+        tree = None if parents is None else tuple(parents)
+        path = None if keep is None else tuple(keep)
+        await self.send_message(Forward(self.id, epoch, start, commit, wire, tree, path))
 
     async def receive_result(self, *, epoch: int = 0, timeout: float = 120.0) -> tuple[int, np.ndarray]:
         """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden])."""
@@ -208,9 +209,19 @@ class RouteSession:
         except trio.TooSlowError as exc:
             raise RouteError(f"no result within {timeout:.0f} s", code="timeout") from exc
 
-    async def forward(self, hidden: np.ndarray, *, start: int, commit: int | None, epoch: int = 0, timeout: float = 120.0) -> np.ndarray:
-        """One round trip: send a window and wait for its final hidden states."""
-        await self.send_window(hidden, start=start, commit=commit, epoch=epoch)
+    async def forward(
+        self,
+        hidden: np.ndarray,
+        *,
+        start: int,
+        commit: int | None,
+        epoch: int = 0,
+        timeout: float = 120.0,
+        parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """One round trip: send a window (a tree with `parents`) and wait for its final hidden states, a row per node."""
+        await self.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
         _, out = await self.receive_result(epoch=epoch, timeout=timeout)
         return out
 
@@ -226,15 +237,42 @@ class RouteSession:
         except trio.TooSlowError as exc:
             raise RouteError(f"truncate not acknowledged within {timeout:.0f} s", code="timeout") from exc
 
-    async def _close(self) -> None:
-        if self._stream is None:
-            return
-        with trio.move_on_after(5):
+    async def close(self) -> None:
+        """Tell the route the session is over (best effort, within 5 s), then stop the watcher and drop the inbox."""
+        try:
+            if self._stream is not None:
+                with trio.move_on_after(5):
+                    try:
+                        await self._stream.send(CloseSession(self.id))
+                        await self._stream.close()
+                    except Exception as exc:
+                        log.debug("session %s close: %r", self.id, exc)
+        finally:
+            self._watch_scope.cancel()
+            self.legs.forget(self.id)
+
+
+@asynccontextmanager
+async def open_route_session(
+    node: P2PNode, legs: ReturnLegs, hops: Sequence[Hop], **options: Any
+) -> AsyncIterator[RouteSession]:
+    """A `RouteSession` (options as its constructor's) open for the block, with its watcher in a nursery of its own.
+
+    An error inside the block comes out as itself, not wrapped in an exception group.
+    """
+    session = RouteSession(node, legs, hops, **options)
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            await session.open(nursery)
             try:
-                await self._stream.send(CloseSession(self.id))
-                await self._stream.close()
-            except Exception as exc:
-                log.debug("session %s close: %r", self.id, exc)
+                yield session
+            finally:
+                await session.close()
+        except Exception as exc:  # re-raised below, once the nursery is closed
+            failure = exc
+    if failure is not None:
+        raise failure
 
 
 def _wire_bytes(msg: Result) -> int:

@@ -5,6 +5,8 @@ peer opens its own stream to the next hop (another block peer, or the head for
 the last hop), so hidden states go straight from peer to peer and the last peer
 hands the result to the head: N+1 link crossings per window. Data flows forward;
 acknowledgements and errors flow back along the streams they came in on.
+A window may be a token tree (`Forward.parents`); the next window's `keep` names its
+accepted path, which every peer of the ring keeps in its cache instead of truncating.
 """
 
 from __future__ import annotations
@@ -123,9 +125,11 @@ class BlockServer:
 
     # --- compute ----------------------------------------------------------
 
-    def _run_span(self, span: SpanModule, hidden: np.ndarray, start_pos: int, cache: Any) -> np.ndarray:
+    def _run_span(
+        self, span: SpanModule, hidden: np.ndarray, start_pos: int, cache: Any, parents: tuple[int, ...] | None = None
+    ) -> np.ndarray:
         with torch.inference_mode():
-            out = span(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache)
+            out = span(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache, parents)
         return out[0].to(torch.float32).numpy()
 
     async def measure_throughput(self, tokens: int = 1, repeats: int = 3) -> float:
@@ -319,23 +323,28 @@ class BlockServer:
         return np.ascontiguousarray(hidden, dtype=np.float32)
 
     async def _forward(self, session: Session, msg: Forward) -> None:
-        keep = session.state.begin(msg.session, msg.epoch, msg.start, msg.commit)
-        if keep is None:
+        """Run one window (a chain, or a token tree with `parents`) after committing the previous one:
+        truncate to `commit`, or keep the accepted path `keep` of it; then pass it down the ring."""
+        length = session.state.begin(msg.session, msg.epoch, msg.start, msg.commit, msg.keep)
+        if length is None:
             log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.state.epoch)
             return
-        session.cache.truncate(keep)
+        if msg.keep and msg.commit is not None:  # begin checked the path against the last window
+            session.cache.keep(msg.commit, msg.keep)
+        else:
+            session.cache.truncate(length)
         hidden = self._hidden(msg)
-        session.state.extend(hidden.shape[0])
+        session.state.extend(hidden.shape[0], msg.parents)
         out = await trio.to_thread.run_sync(
-            self._run_span, session.span, hidden, msg.start, session.cache, limiter=self._compute,
+            self._run_span, session.span, hidden, msg.start, session.cache, msg.parents, limiter=self._compute,
         )
         session.windows += 1
         self.windows_served += 1
         wire = self.wire.encode(out)
         reply: Message = (
-            Result(session.id, msg.epoch, msg.start, wire)
+            Result(session.id, msg.epoch, msg.start, wire)  # a row per node, in window order
             if session.last_hop
-            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire)
+            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire, msg.parents, msg.keep)
         )
         await self._send_down(session, reply)
 

@@ -1,0 +1,170 @@
+"""The DSD report's pure parts: the timing model (fed only by calibration done before a setting's runs),
+the paper's formula, and the per-setting statistics (medians with bootstrap confidence intervals).
+
+No testnet, no torch: plain functions over the numbers a sweep records (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+MODES = ("ar", "sd", "dsd", "dsd-adaptive")
+RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"))
+
+
+def interp(table: dict[int, float], x: float) -> float:
+    """Piecewise-linear interpolation in a {window: seconds} table (flat beyond its ends)."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:], strict=False):
+        if x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    return table[xs[-1]]
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(γ) = (1 − α^{γ+1}) / (1 − α): tokens a window of γ drafts emits (accepted + correction/bonus)."""
+    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def ready_probability(alpha: float, gamma: int, alt_hit: float) -> float:
+    """P(the next window is pre-drafted): full acceptance with the bonus guessed (α^{γ+1}), or any other
+    outcome whose token is among the draft's alternatives there (measured share `alt_hit`)."""
+    full = alpha ** (gamma + 1)
+    return full + (1.0 - full) * alt_hit
+
+
+def round_time(n: int, t1: float, t0w: float, head: float) -> float:
+    """One trip of a window around the ring: N+1 link crossings, N peers' compute, the head's embed+logits."""
+    return (n + 1) * t1 + n * t0w + head
+
+
+def predict(mode: str, cal: dict[str, Any], gamma: int) -> dict[str, float]:
+    """Seconds per token of `mode` with window γ, from the calibration record only (see docs/benchmarks.md)."""
+    n, t1 = cal["peers"], cal["latency_ms"] / 1000
+    t0 = {int(k): v for k, v in cal["t0_window_s"].items()}
+    head = {int(k): v for k, v in cal["head_window_s"].items()}
+    if mode == "ar" or gamma == 0:
+        r = round_time(n, t1, t0[1], interp(head, 1))
+        return {"round_s": r, "tokens_per_round": 1.0, "s_per_token": r, "gamma": 0}
+    alpha, d = cal["alpha"], cal["draft_s_per_token"]
+    r = round_time(n, t1, interp(t0, gamma + 1), interp(head, gamma + 1))
+    tokens = expected_tokens(alpha, gamma)
+    if mode == "sd":
+        t, p = r + gamma * d, 0.0
+    else:  # dsd: the next window is ready when the verdict matches a pre-drafted branch
+        p = ready_probability(alpha, gamma, cal["alt_hit"])
+        step = cal.get("branch_step_s", d)
+        t = r + p * max(0.0, (gamma + 1) * step - r) + (1.0 - p) * gamma * d
+    return {"round_s": r, "tokens_per_round": tokens, "s_per_token": t / tokens, "gamma": gamma, "p_ready": p}
+
+
+def best_gamma(mode: str, cal: dict[str, Any], gamma_max: int = 16) -> int:
+    """The window the model says is fastest (what the engine's controller aims for)."""
+    if mode == "ar":
+        return 0
+    return min(range(1, gamma_max + 1), key=lambda g: (predict(mode, cal, g)["s_per_token"], g))
+
+
+def paper_prediction(n: int, t0: float, t1: float, tokens_per_round: float) -> dict[str, float]:
+    """The paper's model: T_std = t0 + (N−1)·t1 per token; DSD saves (N−1)·t1·(k−1)/k of it."""
+    t_std = t0 + (n - 1) * t1
+    k = max(1.0, tokens_per_round)
+    saving = (n - 1) * t1 * (k - 1) / k
+    return {"t_std_s": t_std, "saving_s": saving, "speedup": t_std / (t_std - saving)}
+
+
+def bootstrap_median(groups: Sequence[Sequence[float]], *, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Median of all values and its 95 % interval, resampling whole groups (one group = one prompt's repetitions)."""
+    values = [v for g in groups for v in g]
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(draws):
+        sample = [v for _ in groups for v in groups[rng.randrange(len(groups))]]
+        meds.append(statistics.median(sample))
+    meds.sort()
+    return statistics.median(values), meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Totals of one mode over a setting's runs (sums first, then ratios); counters are the engine's own."""
+    tokens = sum(r["new_tokens"] for r in runs)
+    elapsed = sum(r["elapsed_s"] for r in runs)
+    prefill = sum(r["prefill_s"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    draft_rounds = sum(r["draft_rounds"] for r in runs)
+    drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+    windows = sum(r["windows_after_prefill"] for r in runs)
+    tb = [r["time_breakdown"] for r in runs]
+    used, exposed = sum(t["drafting_hidden_used_s"] for t in tb), sum(t["drafting_exposed_s"] for t in tb)
+    return {
+        "new_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "decode_tokens_per_s": (tokens - len(runs)) / (elapsed - prefill) if elapsed > prefill else 0.0,
+        "rounds": rounds,
+        "tokens_per_trip": tokens / rounds if rounds else 0.0,
+        "mean_accepted": accepted / draft_rounds if draft_rounds else 0.0,
+        "mean_gamma": drafted / draft_rounds if draft_rounds else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "drafted": drafted,
+        "accepted": accepted,
+        "ready_share": sum(r["ready_rounds"] for r in runs) / windows if windows else 0.0,
+        "bytes_per_token": sum(r["bytes_sent"] + r["bytes_received"] for r in runs) / tokens if tokens else 0.0,
+        "drafting_s": sum(t["drafting_s"] for t in tb),
+        "drafting_hidden_used_s": used,
+        "drafting_hidden_wasted_s": sum(t["drafting_hidden_wasted_s"] for t in tb),
+        "drafting_exposed_s": exposed,
+        "hidden_used_share": used / (used + exposed) if used + exposed > 0 else 0.0,
+    }
+
+
+def _paired(setting: dict[str, Any], num: str, den: str) -> list[list[float]]:
+    """Per prompt: the tok/s ratio num/den of each repetition (the two runs were adjacent in time)."""
+    by: dict[tuple[str, int], dict[str, float]] = {}
+    for r in setting["runs"]:
+        by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = r["tokens_per_s"]
+    groups: dict[str, list[float]] = {}
+    for (task, _), modes in by.items():
+        if num in modes and den in modes and modes[den] > 0:
+            groups.setdefault(task, []).append(modes[num] / modes[den])
+    return list(groups.values())
+
+
+def summarize(setting: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: totals, the median tok/s with its interval, the model's prediction; plus the paired speedups."""
+    runs = setting["runs"]
+    modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
+    cal = setting["calibration"]
+    out: dict[str, Any] = {"modes": {}, "ratios": {}}
+    ar_pred = predict("ar", cal, 0)
+    for m in modes:
+        mine = [r for r in runs if r["mode"] == m]
+        row: dict[str, Any] = aggregate(mine)
+        by_task: dict[str, list[float]] = {}
+        for r in mine:
+            by_task.setdefault(r["task_id"], []).append(r["tokens_per_s"])
+        row["median_tokens_per_s"] = bootstrap_median(list(by_task.values()))
+        gamma = best_gamma(m, cal)
+        pred = predict(m, cal, gamma)
+        row["model"] = {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
+        row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])
+        ar_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == "ar"}
+        same = [r["tokens"] == ar_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ar_tokens]
+        row["identical_to_ar"] = f"{sum(same)}/{len(same)}" if same else "-"
+        first = [r.get("passed") for r in mine if r["rep"] == 1]
+        if first and all(isinstance(x, bool) for x in first):
+            row["pass_at_1"] = sum(first) / len(first)
+        out["modes"][m] = row
+    for num, den in RATIOS:
+        groups = _paired(setting, num, den)
+        if groups:
+            med, lo, hi = bootstrap_median(groups)
+            out["ratios"][f"{num}/{den}"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+    return out

@@ -1,0 +1,95 @@
+"""What a generation reports: new tokens, rounds, exact draft counters and where the head's time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class TimeBreakdown:
+    """Where the head's wall time went, in seconds.
+
+    Drafting done while a window was in flight is *hidden*: `drafting_hidden_used` is the part
+    spent on the branch that became the next window, `drafting_hidden_wasted` the rest
+    (bets that did not come true). `drafting - drafting_hidden_used - drafting_hidden_wasted`
+    is drafting on the critical path (after a trip, or in `sd`).
+    """
+
+    drafting: float = 0.0
+    drafting_hidden_used: float = 0.0
+    drafting_hidden_wasted: float = 0.0
+    waiting: float = 0.0
+    verifying: float = 0.0
+
+    @property
+    def drafting_exposed(self) -> float:
+        return max(0.0, self.drafting - self.drafting_hidden_used - self.drafting_hidden_wasted)
+
+    def as_dict(self) -> dict[str, float]:
+        used = self.drafting_hidden_used
+        return {
+            "drafting_s": round(self.drafting, 4),
+            "drafting_hidden_used_s": round(used, 4),
+            "drafting_hidden_wasted_s": round(self.drafting_hidden_wasted, 4),
+            "drafting_exposed_s": round(self.drafting_exposed, 4),
+            "waiting_s": round(self.waiting, 4),
+            "verifying_s": round(self.verifying, 4),
+            # Share of the drafting that the next windows used and that cost no time on the critical path.
+            "hidden_used_share": round(used / (used + self.drafting_exposed), 4) if used + self.drafting_exposed > 0 else 0.0,
+        }
+
+
+@dataclass
+class GenerationResult:
+    """New tokens and the statistics `--json` reports (counters are exact, not derived from ratios)."""
+
+    mode: str
+    tokens: list[int]
+    elapsed_s: float
+    rounds: int
+    drafted: int
+    accepted: int
+    accepted_per_round: list[int]
+    times: TimeBreakdown = field(default_factory=TimeBreakdown)
+    prefill_s: float = 0.0
+    windows_after_prefill: int = 0  # windows sent once the prompt was in
+    ready_rounds: int = 0  # of those, windows that were pre-drafted during the previous trip
+    branches_drafted: int = 0  # outcome branches advanced during trips (main guess included)
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted_per_round)) if self.accepted_per_round else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def ready_share(self) -> float:
+        return self.ready_rounds / self.windows_after_prefill if self.windows_after_prefill else 0.0
+
+    def as_dict(self) -> dict:
+        n = len(self.tokens)
+        draft_rounds = len(self.accepted_per_round)
+        return {
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "new_tokens": n,
+            "elapsed_s": round(self.elapsed_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "tokens_per_s": round(n / self.elapsed_s, 4) if self.elapsed_s > 0 else 0.0,
+            "rounds": self.rounds,
+            "draft_rounds": draft_rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_trip": round(n / self.rounds, 4) if self.rounds else 0.0,
+            "windows_after_prefill": self.windows_after_prefill,
+            "ready_rounds": self.ready_rounds,
+            "ready_share": round(self.ready_share, 4),
+            "branches_drafted": self.branches_drafted,
+            "time_breakdown": self.times.as_dict(),
+        }
