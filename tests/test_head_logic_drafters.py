@@ -1,14 +1,26 @@
-"""Drafters: n-gram lookup cases; the model drafter's cached drafts equal a fresh model's, rollback included."""
+"""Drafters: n-gram lookup cases; the model drafter's cached drafts equal a fresh model's, rollback included;
+an int8-quantized draft keeps its embedding and, through the engine, the target's exact output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import trio
+from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model
-from dsd.node.head.drafters import ModelDrafter, NgramDrafter, check_vocab_compatible
+from dsd.node.head.drafters import (
+    ModelDrafter,
+    NgramDrafter,
+    check_vocab_compatible,
+    quantize_draft_model,
+)
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, softmax, warp
+from dsd.node.head.setup import load_head_setup
 from dsd.node.head.verify import verify_window
+from dsd.shard_store import Store
 
 torch.set_num_threads(1)
 VOCAB = 64
@@ -184,3 +196,79 @@ def test_greedy_speculative_loop_equals_target_greedy(drafter_kind: str) -> None
                 logits = target(input_ids=torch.tensor([ctx + drafts])).logits[0, len(ctx) - 1 :].float()
             out.extend(verify_window(logits, drafts, q, SamplingParams(), None).tokens)
         assert out[:n] == hf_greedy(target, prompt, n)
+
+
+# --- int8 draft: a faster draft model, the same output ------------------------------------------
+
+
+def _dynamic_int8_linear() -> type:
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    return Linear
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("qwen2", True), ("llama", False)])
+def test_int8_quantizes_every_linear_and_keeps_the_embedding(kind: str, tied: bool) -> None:
+    model = tiny_model(kind, seed=9)
+    embedding = model.get_input_embeddings().weight
+    assert (model.get_output_embeddings().weight is embedding) == tied
+    before = embedding.detach().clone()
+    ctx = [3, 17, 42, 5, 9, 11, 20, 30]
+    fp32 = full_logits(model, ctx)
+    assert quantize_draft_model(model, "int8") is model
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), _dynamic_int8_linear())
+    assert isinstance(model.model.layers[0].mlp.down_proj, _dynamic_int8_linear())
+    # The (tied) embedding is untouched: same parameter, float32, same values.
+    assert model.get_input_embeddings().weight is embedding
+    assert embedding.dtype == torch.float32 and torch.equal(embedding.detach(), before)
+    int8 = full_logits(model, ctx)
+    assert not torch.equal(int8, fp32)
+    assert float(torch.nn.functional.cosine_similarity(int8, fp32, dim=0)) > 0.99
+    # The drafter runs on the quantized model. Dynamic int8 scales activations per forward, so logits
+    # depend slightly on how the context was fed (not compared with a from-scratch recompute here).
+    d = ModelDrafter(model, SamplingParams())
+    assert d.vocab_size == VOCAB
+    drafts, q = d.propose(ctx, 5)
+    assert q.shape == (5, VOCAB) and drafts == q.argmax(dim=1).tolist()
+    assert drafts == ModelDrafter(model, SamplingParams()).propose(ctx, 5)[0]
+
+
+def test_quantize_refuses_an_unknown_mode_and_none_is_a_no_op() -> None:
+    model = tiny_model("qwen2", seed=10)
+    assert quantize_draft_model(model, "none") is model
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    with pytest.raises(ValueError, match="int4"):
+        quantize_draft_model(model, "int4")
+
+
+def _hf_reference(hf_dir, prompt: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["sd", "dsd"])
+def test_int8_draft_keeps_the_targets_greedy_output(tiny_qwen2_root, mode: str) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    params = SamplingParams()
+    setup, _tok = load_head_setup(tiny_qwen2_root / "store", str(tiny_qwen2_root / "store"), params, 0, quant="int8")
+    drafter = setup.drafter
+    assert isinstance(drafter, ModelDrafter)
+    assert isinstance(drafter.model.get_output_embeddings(), _dynamic_int8_linear())
+    n = 24
+    for prompt in ([1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12]):
+        drafter.reset()
+        backend = LocalBackend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
+        result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode=mode, max_new_tokens=n)).generate, prompt)
+        assert result.tokens == _hf_reference(tiny_qwen2_root / "hf", prompt, n), (mode, prompt)
+        assert result.drafted > 0 and result.accepted > 0
+
+
+def test_draft_quant_needs_a_draft_model(tiny_qwen2_root) -> None:
+    with pytest.raises(ValueError, match="needs a draft model store"):
+        load_head_setup(tiny_qwen2_root / "store", "ngram", SamplingParams(), 0, quant="int8")
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        load_head_setup(tiny_qwen2_root / "store", "ngram", SamplingParams(), 0, quant="fp8")

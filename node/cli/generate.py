@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
     p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
     p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
-    p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram", help="draft model store, or ngram for model-free prompt lookup (default; with --federated the default is the --store model)")
+    p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="draft model store; ngram for model-free prompt lookup (default; with --federated the default is the --store model); or DRAFT_STORE+ngram (also ngram+DRAFT_STORE): prompt lookup when the context's tail repeats earlier text, the draft model otherwise")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers after loading: int8 = torch dynamic int8, faster on CPU; the target still decides every token (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a store with a tokenizer)")
@@ -90,7 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = args.draft or (str(args.store) if args.federated else "ngram")
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated)
+        setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated,
+                                           quant=args.draft_quant)
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,

@@ -108,20 +108,56 @@ class DraftCache:
                     new_parents.append(parent_key)
                 parent_key = -(node + 2)
             ends.append(node)
-        logits = self._forward(new_tokens, new_parents)
-        return logits[torch.tensor(ends, dtype=torch.long)]
+        return self._forward(new_tokens, new_parents, ends)
 
     # --- internals ----------------------------------------------------------
 
-    def _forward(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """Run new nodes (parents: column >= 0, -1 = sequence start, -(k+2) = new node k) and add them."""
+    def _forward(self, tokens: list[int], parents: list[int], rows: list[int]) -> torch.Tensor:
+        """Run new nodes (parents: column >= 0, -1 = sequence start, -(k+2) = new node k), add them, and
+        return the logits of the new nodes listed in `rows` (the lm_head runs on those rows only)."""
         past = len(self.tokens)
         n = len(tokens)
         cols = [p if p >= -1 else past + (-p - 2) for p in parents]
-        depths = [0 if c < 0 else (self.depths[c] + 1 if c < past else -1) for c in cols]
-        for i, c in enumerate(cols):  # a new node's parent may be another new node (earlier in order)
-            if c >= past:
-                depths[i] = depths[c - past] + 1
+        depths = [0] * n
+        for i, c in enumerate(cols):  # a new node's parent may be an earlier new node
+            depths[i] = 0 if c < 0 else (self.depths[c] + 1 if c < past else depths[c - past] + 1)
+        kwargs: dict[str, Any] = {}
+        if not self._continues_chain(cols):
+            kwargs["attention_mask"] = self._mask(cols, past)
+            kwargs["position_ids"] = torch.tensor([depths], dtype=torch.long, device=self._device)
+        if self.cache is None:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=self.model.config)
+        decoder = getattr(self.model, "model", None)
+        try:
+            ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
+            if decoder is not None:
+                hidden = decoder(input_ids=ids, use_cache=True, **kwargs, **{self._cache_kwarg: self.cache})[0]
+                logits = self.model.get_output_embeddings()(hidden[0, rows])
+            else:
+                logits = self.model(input_ids=ids, use_cache=True, **kwargs, **{self._cache_kwarg: self.cache}).logits[0, rows]
+        except BaseException:
+            self.reset()  # a forward that failed midway may have updated only some layers
+            raise
+        for tok, c, d in zip(tokens, cols, depths, strict=True):
+            self._add(tok, c, d)
+        return logits.float().cpu()
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def _continues_chain(self, cols: list[int]) -> bool:
+        """True when the new nodes extend the held chain in order: a plain causal forward is exact then."""
+        past = len(self.tokens)
+        if not self.is_chain():
+            return False
+        return all(c == past + i - 1 for i, c in enumerate(cols))
+
+    def _mask(self, cols: list[int], past: int) -> torch.Tensor:
+        """Additive 4D mask: each new node sees its ancestors (held or new) and itself."""
+        n = len(cols)
         visible = torch.zeros(n, past + n, dtype=torch.bool)
         for i, c in enumerate(cols):
             visible[i, past + i] = True
@@ -132,28 +168,9 @@ class DraftCache:
                 else:
                     visible[i, self._ancestors(c)] = True
                     break
-        device = self.model.get_output_embeddings().weight.device
-        dtype = self.model.get_output_embeddings().weight.dtype
-        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
-        mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
-        if self.cache is None:
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache(config=self.model.config)
-        try:
-            out = self.model(
-                input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
-                attention_mask=mask,
-                position_ids=torch.tensor([depths], dtype=torch.long, device=device),
-                use_cache=True,
-                **{self._cache_kwarg: self.cache},
-            )
-        except BaseException:
-            self.reset()  # a forward that failed midway may have updated only some layers
-            raise
-        for tok, c, d in zip(tokens, cols, depths, strict=True):
-            self._add(tok, c, d)
-        return out.logits[0].float().cpu()
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self._device)
+        return mask.masked_fill_(~visible.to(self._device), torch.finfo(dtype).min)
 
     def _ancestors(self, col: int) -> list[int]:
         """`col` and every column above it."""

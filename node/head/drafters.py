@@ -1,24 +1,36 @@
-"""Drafters for the head: a model-free n-gram (prompt lookup) drafter and a draft model.
+"""Drafters for the head: a model-free n-gram (prompt lookup) drafter, a draft model, and a hybrid of both.
 
-Both take the full token context (committed tokens, possibly extended by
+All take the full token context (committed tokens, possibly extended by
 still-unverified drafts when the head drafts ahead) and return up to γ draft
 tokens plus, for the model drafter, the warped draft distributions q that
 lossless verification needs. After a rejection the head simply calls again
 with the shorter, corrected context: the model drafter keeps the KV cache of
 the longest common prefix and crops the rest, so rollback costs nothing.
+A draft model may be int8-quantized (`quantize_draft_model`) to draft faster
+on a CPU; verification is unchanged, so the output stays the target's.
 """
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .draft_cache import DraftCache
 from .sampling import SamplingParams, sample, softmax, warp
 
-__all__ = ["NgramDrafter", "ModelDrafter", "check_vocab_compatible"]
+__all__ = [
+    "NgramDrafter",
+    "ModelDrafter",
+    "HybridDrafter",
+    "QUANT_MODES",
+    "quantize_draft_model",
+    "check_vocab_compatible",
+]
+
+QUANT_MODES = ("none", "int8")
 
 
 class NgramDrafter:
@@ -108,22 +120,62 @@ def check_vocab_compatible(
     )
 
 
-def _crop_cache(cache: Any, keep: int) -> None:
-    current = cache.get_seq_length()
-    if current > keep:
-        # Negative = number of tokens to remove (accepted by old and new transformers).
-        cache.crop(-(current - keep))
+def _out_features(linear: Any) -> int:
+    """Output rows of an nn.Linear or of its dynamic-quantized replacement (whose `weight` is a method)."""
+    rows = getattr(linear, "out_features", None)
+    return int(rows) if rows is not None else int(linear.weight.shape[0])
+
+
+def quantize_draft_model(model: torch.nn.Module, quant: str) -> torch.nn.Module:
+    """Apply `quant` ("none" or "int8") to a draft model in place and return it.
+
+    int8 is torch's dynamic quantization (qint8 weights, per output channel;
+    activations quantized on the fly) of every nn.Linear, lm_head included. A
+    tied lm_head gets its own int8 copy: the input embedding keeps its float32
+    weights (checked), so only the draft's logits change, never its inputs.
+    A non-float32 model is cast to float32 first (the int8 kernels take float32).
+    Activation scales are taken per forward call, so a draft can depend slightly
+    on how the context was fed (prefill or token by token): acceptance may
+    move, the verified output cannot.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
+    if quant == "none":
+        return model
+    engines = set(torch.backends.quantized.supported_engines) - {"none"}
+    if not engines:
+        raise ValueError(f"this torch build ({torch.__version__}) has no quantized CPU engine for int8 drafting")
+    try:
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    except ImportError as exc:
+        raise ValueError(f"int8 drafting needs torch.ao.quantization.quantize_dynamic ({exc})") from None
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        model.float()
+    embedding = model.get_input_embeddings().weight
+    with warnings.catch_warnings():
+        # torch marks its eager quantization API deprecated (moving to torchao) but it works and is what we need.
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel)")
+        quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    kept = model.get_input_embeddings().weight
+    if kept is not embedding or kept.dtype != torch.float32:
+        raise RuntimeError("int8 quantization changed the draft's input embedding")
+    if any(type(m) is torch.nn.Linear for m in model.modules()):
+        raise RuntimeError("int8 quantization left some nn.Linear layers of the draft in float")
+    return model.eval()
 
 
 class ModelDrafter:
-    """Drafts with a transformers causal LM, keeping its own KV cache across calls.
+    """Drafts with a transformers causal LM, keeping its own KV cache across calls (as a token tree).
 
-    `propose(context, γ)` reuses the cached longest common prefix with
-    `context`, crops the rest, feeds only the new tokens, then drafts γ tokens
-    (argmax when greedy, else sampled from `warp(logits, params)` with
-    `generator`). Returned q rows are the warped distributions when sampling
-    and the untempered softmax when greedy (informative for adaptive
-    verification; the greedy verifier ignores q).
+    `propose(context, γ)` keeps the longest cached prefix of `context`, feeds only
+    the new tokens, then drafts γ tokens (argmax when greedy, else sampled from
+    `warp(logits, params)` with `generator`). `step_many(contexts)` drafts one
+    token after each of several contexts in one batched forward (outcome
+    pre-drafting); `settle(context)` drops every cached branch but that context's.
+    Returned q rows are the warped distributions when sampling and the untempered
+    softmax when greedy (informative for adaptive verification and for choosing
+    outcome branches; the greedy verifier ignores q).
     """
 
     def __init__(
@@ -139,21 +191,17 @@ class ModelDrafter:
         self.model = model.eval()
         self.params = params
         self.generator = generator
-        self._cache: Any = None
-        self._cached: list[int] = []
-        # transformers 5.x renamed `past_key_values` to `cache`; the cache object is updated in place.
-        forward_params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._tree = DraftCache(self.model)
 
     @property
     def vocab_size(self) -> int:
         """Number of logit rows the draft model produces."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return _out_features(self.model.get_output_embeddings())
 
     @property
     def cached_tokens(self) -> list[int]:
-        """Tokens whose keys/values are in the draft cache (for tests and diagnostics)."""
-        return list(self._cached)
+        """Tokens whose keys/values are in the draft cache, in cache order (for tests and diagnostics)."""
+        return list(self._tree.tokens)
 
     def check_compatible(
         self, target_vocab_size: int, target_tokenizer: Any = None, draft_tokenizer: Any = None
@@ -163,30 +211,11 @@ class ModelDrafter:
 
     def reset(self) -> None:
         """Drop the draft cache (the next call recomputes the whole context)."""
-        self._cache = None
-        self._cached = []
+        self._tree.reset()
 
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        if self._cache is None:
-            self._cache = self._new_cache()
-        device = self.model.get_output_embeddings().weight.device
-        try:
-            out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kwarg: self._cache},
-            )
-        except BaseException:
-            self.reset()  # a forward that failed midway may have updated only some layers
-            raise
-        self._cached.extend(ids)
-        return out.logits[0, -1].float().cpu()
+    def settle(self, context: Sequence[int]) -> None:
+        """Keep only the cached prefix of `context` (drops pre-drafted branches that did not come true)."""
+        self._tree.settle([int(t) for t in context])
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         if self.params.greedy:
@@ -194,11 +223,7 @@ class ModelDrafter:
         q = warp(logits, self.params)
         return sample(q, self.generator), q
 
-    @torch.inference_mode()
-    def propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor]:
-        """Draft γ tokens after `context` (all committed tokens, maybe plus unverified drafts)."""
-        if not isinstance(gamma, int) or gamma < 0:
-            raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
+    def _check(self, context: Sequence[int]) -> list[int]:
         ctx = [int(t) for t in context]
         if not ctx:
             raise ValueError("context must hold at least one token")
@@ -206,19 +231,18 @@ class ModelDrafter:
         bad = [t for t in ctx if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"context tokens {bad[:5]} are outside the draft vocabulary [0, {vocab})")
+        return ctx
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor]:
+        """Draft γ tokens after `context` (all committed tokens, maybe plus unverified drafts)."""
+        if not isinstance(gamma, int) or gamma < 0:
+            raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
+        ctx = self._check(context)
         if gamma == 0:
-            return [], torch.zeros(0, vocab)
-        lcp = 0
-        limit = min(len(self._cached), len(ctx) - 1)  # always feed >= 1 token to get logits
-        while lcp < limit and self._cached[lcp] == ctx[lcp]:
-            lcp += 1
-        if self._cache is not None:
-            if lcp == 0:
-                self.reset()
-            else:
-                _crop_cache(self._cache, lcp)
-                del self._cached[lcp:]
-        logits = self._forward(ctx[lcp:])
+            return [], torch.zeros(0, self.vocab_size)
+        self._tree.settle(ctx[:-1])  # keep the cached prefix; the last token is fed to get logits
+        logits = self._tree.extend([ctx])[0]
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
         for j in range(gamma):
@@ -226,5 +250,110 @@ class ModelDrafter:
             drafts.append(tok)
             rows.append(q)
             if j + 1 < gamma:
-                logits = self._forward([tok])
+                logits = self._tree.extend([ctx + drafts])[0]
         return drafts, torch.stack(rows)
+
+    @torch.inference_mode()
+    def step_many(self, contexts: Sequence[Sequence[int]]) -> list[tuple[int, torch.Tensor]]:
+        """One drafted token (and its q row) after each context, all in one batched forward."""
+        ctxs = [self._check(c) for c in contexts]
+        logits = self._tree.extend(ctxs)
+        return [self._choose(row) for row in logits]
+
+
+class HybridDrafter:
+    """Prompt lookup when the context's tail repeats earlier text, the draft model otherwise.
+
+    Each call takes one source: the n-gram drafter's continuation when its
+    lookup matches (an n-gram of at least `ngram.min_ngram` tokens, so at least
+    one token to copy), else the model drafter's proposal. Lookup proposals
+    return one-hot q rows at the copied tokens: verification and adaptive τ
+    treat a one-hot row exactly as they treat q=None (a deterministic draft,
+    like `NgramDrafter`), and a window mixing both sources keeps the model's
+    real q for the model's tokens. The model drafter needs no resync when the
+    lookup served some calls: it compares its cached tokens with every context
+    it gets and feeds the tokens it has not seen in one forward.
+    """
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None) -> None:
+        if not isinstance(model, ModelDrafter):
+            raise TypeError(f"model must be a ModelDrafter, got {type(model).__name__}")
+        self.model = model
+        self.ngram = ngram if ngram is not None else NgramDrafter(max_ngram=4, min_ngram=3)
+        self.ngram_proposals = 0
+        self.model_proposals = 0
+        self.ngram_tokens = 0
+        self.model_tokens = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of logit rows the draft model produces."""
+        return self.model.vocab_size
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """Tokens in the draft model's cache."""
+        return self.model.cached_tokens
+
+    def check_compatible(
+        self, target_vocab_size: int, target_tokenizer: Any = None, draft_tokenizer: Any = None
+    ) -> None:
+        """Refuse (ValueError) a target whose vocabulary or tokenizer differs from the draft model's."""
+        self.model.check_compatible(target_vocab_size, target_tokenizer, draft_tokenizer)
+
+    def settle(self, context: Sequence[int]) -> None:
+        """Drop the model's pre-drafted branches but `context`'s."""
+        self.model.settle(context)
+
+    def step_many(self, contexts: Sequence[Sequence[int]]) -> list[tuple[int, torch.Tensor]]:
+        """One token after each context: the lookup's where it matches (a one-hot q row), else the
+        model's, all model contexts in one batched forward."""
+        out: list[tuple[int, torch.Tensor] | None] = [None] * len(contexts)
+        need: list[int] = []
+        for i, ctx in enumerate(contexts):
+            copied, _ = self.ngram.propose(ctx, 1)
+            if copied and 0 <= copied[0] < self.vocab_size:
+                out[i] = (copied[0], torch.zeros(self.vocab_size).index_fill_(0, torch.tensor(copied[:1]), 1.0))
+                self.ngram_proposals += 1
+                self.ngram_tokens += 1
+            else:
+                need.append(i)
+        if need:
+            for i, row in zip(need, self.model.step_many([contexts[i] for i in need]), strict=True):
+                out[i] = row
+            self.model_proposals += 1
+            self.model_tokens += len(need)
+        return [row for row in out if row is not None]
+
+    def reset(self) -> None:
+        """Drop the draft model's cache (the counts are kept)."""
+        self.model.reset()
+
+    def source_counts(self) -> dict[str, int]:
+        """How many proposals (calls) and tokens each source supplied, for reports."""
+        return {
+            "ngram_proposals": self.ngram_proposals,
+            "model_proposals": self.model_proposals,
+            "ngram_tokens": self.ngram_tokens,
+            "model_tokens": self.model_tokens,
+        }
+
+    def propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor]:
+        """Up to γ draft tokens after `context` and their q rows [n, V], from one source."""
+        if not isinstance(gamma, int) or gamma < 0:
+            raise ValueError(f"gamma must be an integer >= 0, got {gamma!r}")
+        copied, _ = self.ngram.propose(context, gamma)
+        vocab = self.vocab_size
+        if copied:
+            bad = [t for t in copied if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"context tokens {bad[:5]} are outside the draft vocabulary [0, {vocab})")
+            self.ngram_proposals += 1
+            self.ngram_tokens += len(copied)
+            q = torch.zeros(len(copied), vocab).scatter_(1, torch.tensor(copied)[:, None], 1.0)
+            return copied, q
+        drafts, q = self.model.propose(context, gamma)
+        if drafts:
+            self.model_proposals += 1
+            self.model_tokens += len(drafts)
+        return drafts, q

@@ -11,7 +11,7 @@ import torch
 
 from dsd.shard_store import HeadModule, Store
 
-from .drafters import ModelDrafter, NgramDrafter
+from .drafters import QUANT_MODES, HybridDrafter, ModelDrafter, NgramDrafter, quantize_draft_model
 from .engine import Drafter
 from .sampling import SamplingParams
 
@@ -29,27 +29,59 @@ class HeadSetup:
     vocab_size: int = 0
 
 
-def load_drafter(draft: str | None, params: SamplingParams, seed: int, *, vocab_size: int, tokenizer: Any) -> Drafter | None:
-    """`ngram`, a draft-model store path, or None (no drafting); a draft with another vocabulary is refused."""
+DRAFT_HELP = "ngram, a draft model STORE, or STORE+ngram (also ngram+STORE: prompt lookup when it matches, the model otherwise)"
+
+
+def parse_draft(draft: str) -> tuple[str | None, bool]:
+    """(draft model store or None, whether prompt lookup is used) of a `--draft` value; ValueError if malformed."""
+    if draft == "ngram":
+        return None, True
+    store, ngram = draft, False
+    if draft.endswith("+ngram"):
+        store, ngram = draft[: -len("+ngram")], True
+    elif draft.startswith("ngram+"):
+        store, ngram = draft[len("ngram+") :], True
+    if not store or store == "ngram" or store.startswith("ngram+") or store.endswith("+ngram"):
+        raise ValueError(f"--draft must be one of: {DRAFT_HELP}; got {draft!r}")
+    if not ngram and "+" in draft and not Path(draft).exists():
+        raise ValueError(f"--draft must be one of: {DRAFT_HELP}; got {draft!r} (no such store)")
+    return store, ngram
+
+
+def load_drafter(
+    draft: str | None, params: SamplingParams, seed: int, *, vocab_size: int, tokenizer: Any, quant: str = "none"
+) -> Drafter | None:
+    """The drafter a `--draft` value names (see `parse_draft`), or None (no drafting).
+
+    `quant` ("none" or "int8") is applied to the draft model after loading; a
+    draft with another vocabulary is refused.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     if not draft:
         return None
-    if draft == "ngram":
+    store, ngram = parse_draft(draft)
+    if store is None:
+        if quant != "none":
+            raise ValueError(f"draft quantization {quant} needs a draft model store; ngram has no model")
         return NgramDrafter()
-    dstore = Store(Path(draft))
-    drafter = ModelDrafter(dstore.load_full(), params, torch.Generator().manual_seed(seed + 1))
+    dstore = Store(Path(store))
+    model = quantize_draft_model(dstore.load_full(), quant)
+    drafter = ModelDrafter(model, params, torch.Generator().manual_seed(seed + 1))
     drafter.check_compatible(vocab_size, tokenizer, dstore.load_tokenizer())
-    return drafter
+    return HybridDrafter(drafter) if ngram else drafter
 
 
 def load_head_setup(
-    target_store: Path, draft: str | None, params: SamplingParams, seed: int, *, load_head: bool = True
+    target_store: Path, draft: str | None, params: SamplingParams, seed: int, *, load_head: bool = True,
+    quant: str = "none",
 ) -> tuple[HeadSetup, Any]:
-    """The target's ends (unless `load_head` is False), its tokenizer and the drafter."""
+    """The target's ends (unless `load_head` is False), its tokenizer and the drafter (its model quantized by `quant`)."""
     store = Store(target_store)
     tokenizer = store.load_tokenizer()
     head = store.load_head() if load_head else None
     vocab_size = int(head.vocab_size) if head is not None else int(store.manifest.vocab_size)
-    drafter = load_drafter(draft, params, seed, vocab_size=vocab_size, tokenizer=tokenizer)
+    drafter = load_drafter(draft, params, seed, vocab_size=vocab_size, tokenizer=tokenizer, quant=quant)
     setup = HeadSetup(head=head, model_id=store.manifest.model_id, num_layers=int(store.manifest.num_layers),
                       drafter=drafter, vocab_size=vocab_size)
     return setup, tokenizer
