@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, target: Path, draft: Path) -> dict[str, Any]:
     tokenizer = tstore.load_tokenizer()
     prompts = prompt_ids(tokenizer, problems)
     log(f"target {tstore.manifest.model_id}: greedy continuations of {len(prompts)} prompts")
-    conts = target_continuations(target, prompts, args.tokens, eos_ids(tokenizer, tstore.manifest.config))
+    conts = target_continuations(target, prompts, args.tokens, eos_ids(tokenizer, tstore.manifest))
     drafters = {v: ModelDrafter(quantize_draft_model(dstore.load_full(), "int8" if v == "int8" else "none"),
                                 SamplingParams()) for v in VARIANTS}
     steps: dict[str, list[list[float]]] = {v: [[] for _ in prompts] for v in VARIANTS}

@@ -87,6 +87,8 @@ class SweepOptions:
     reps: int = 3
     max_new_tokens: int = 128
     tau_max: float = 0.0
+    draft_quant: str = "none"
+    branches: int = 8
     exec_timeout: float = 5.0
     name: str = "dsd_sweep"
     results: Path | None = None
@@ -150,6 +152,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
         cfg = GenerationConfig(
             mode=mode, max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
             stop_strings=HUMANEVAL_STOPS if real else (), tau_max=opts.tau_max if mode == "dsd-adaptive" else 0.0,
+            branches=opts.branches,
         )
         mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
         if mode_setup.drafter is not None:
@@ -214,7 +217,8 @@ def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, targ
         "provenance": {"commit": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty"), "command": command,
                        "load_before": load_before, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "options": {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
-                    "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max},
+                    "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
+                    "branches": opts.branches},
         "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
         "runs": [],
     }
@@ -235,7 +239,7 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
         results["settings_runs"] = json.loads(path.read_text()).get("settings_runs", [])
         log(f"resuming {path}: {len(results['settings_runs'])} settings started")
     opts.state.mkdir(parents=True, exist_ok=True)
-    target, setup, tokenizer, eos = load_models(opts.models, opts.state)
+    target, setup, tokenizer, eos = load_models(opts.models, opts.state, opts.draft_quant)
     workload = Workload(opts.models, opts.problems, tokenizer)
     held_out = Workload(opts.models, list(CALIBRATION_PROBLEMS), tokenizer)
     acceptance: dict[str, Any] | None = None
@@ -289,6 +293,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     p.add_argument("--reps", type=int, default=3, help="repetitions of every (prompt, mode) (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tau-max", type=float, default=0.0, help="dsd-adaptive relaxation bound (0 = lossless)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="the draft's quantization")
+    p.add_argument("--branches", type=int, default=8, help="dsd: outcome branches per trip (0 = only full acceptance)")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
     p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-tiny])")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
@@ -308,6 +314,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     name = args.name or "dsd_sweep" + ("-tiny" if args.models == "tiny" else "")
     opts = SweepOptions(models=args.models, peers=peers, ratios=ratios, problems=problems, modes=modes,
                         reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
+                        draft_quant=args.draft_quant, branches=args.branches,
                         exec_timeout=args.exec_timeout, name=name, results=args.results, state=args.state)
     return opts, args.report_only
 

@@ -156,11 +156,12 @@ class Workload:
         return None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def load_models(models: str, work: Path, n_layers_hint: int | None = None) -> tuple[Path, Any, Any, Any]:
-    """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair) or `tiny` (target as draft)."""
+def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any, Any, Any]:
+    """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair) or `tiny` (target as
+    draft); `quant` is the draft's quantization (`dsd-node generate --draft-quant`)."""
     import torch
 
-    from dsd.node.head.drafters import ModelDrafter
+    from dsd.node.head.drafters import ModelDrafter, quantize_draft_model
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import HeadSetup, eos_ids, load_head_setup
     from dsd.shard_store import Store
@@ -171,13 +172,13 @@ def load_models(models: str, work: Path, n_layers_hint: int | None = None) -> tu
         if not prepared():
             raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
         paths = default_store_paths()
-        setup, tok = load_head_setup(paths["target"], str(paths["draft"]), params, seed=0)
-        return paths["target"], setup, tok, eos_ids(tok, Store(paths["target"]).manifest.config)
+        setup, tok = load_head_setup(paths["target"], str(paths["draft"]), params, seed=0, quant=quant)
+        return paths["target"], setup, tok, eos_ids(tok, Store(paths["target"]).manifest)
     if models == "tiny":
         real = default_store_paths()["target"]
         store_path = build_tiny_store(work / "tiny", tokenizer_store=real if prepared() else None)
         store = Store(store_path)
-        drafter = ModelDrafter(store.load_full(), params, torch.Generator().manual_seed(1))
+        drafter = ModelDrafter(quantize_draft_model(store.load_full(), quant), params, torch.Generator().manual_seed(1))
         setup = HeadSetup(head=store.load_head(), model_id=store.manifest.model_id,
                           num_layers=store.num_layers, drafter=drafter)
         return store_path, setup, store.load_tokenizer(), frozenset()

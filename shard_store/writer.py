@@ -69,19 +69,24 @@ def _ids(value: Any) -> set[int]:
     return {int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
 
 
+def tokenizer_end_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's eos and its special end-of-text tokens (`END_OF_TEXT_TOKENS`)."""
+    if tokenizer is None:
+        return set()
+    ids = _ids(getattr(tokenizer, "eos_token_id", None))
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return ids | {vocab[t] for t in END_OF_TEXT_TOKENS if t in special and t in vocab}
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any = None) -> list[int]:
     """Every id that ends generation: the generation config's eos list, the config's, the tokenizer's eos,
     and the tokenizer's special end-of-text tokens (for GGUF sources, which ship no generation config)."""
-    ids = _ids(getattr(model.config, "eos_token_id", None))
+    ids = _ids(getattr(model.config, "eos_token_id", None)) | tokenizer_end_ids(tokenizer)
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         ids |= _ids(getattr(generation, "eos_token_id", None))
-    if tokenizer is not None:
-        ids |= _ids(getattr(tokenizer, "eos_token_id", None))
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
-        special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
-        ids |= {vocab[t] for t in END_OF_TEXT_TOKENS if t in special and t in vocab}
     vocab_size = int(model.config.vocab_size)
     return sorted(i for i in ids if i < vocab_size)
 

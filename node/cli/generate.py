@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gamma", type=int, default=None, help="fixed draft window size (default: adaptive)")
     p.add_argument("--gamma-max", type=int, default=16)
-    p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive: largest relaxation (0 = lossless)")
+    p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY; 0 = lossless)")
+    p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -96,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
-            eos_ids=eos_ids(tokenizer, Store(args.store).manifest.config), stop_strings=tuple(args.stop),
+            eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop), branches=args.branches,
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
     except (ValueError, StoreError, OSError) as exc:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from dsd.shard_store import HeadModule, Store
+from dsd.shard_store import HeadModule, Manifest, Store
+from dsd.shard_store.writer import tokenizer_end_ids
 
 from .drafters import QUANT_MODES, HybridDrafter, ModelDrafter, NgramDrafter, quantize_draft_model
 from .engine import Drafter
@@ -106,9 +107,32 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None, ids: str | None = 
     return list(tokenizer(text)["input_ids"])
 
 
-def eos_ids(tokenizer, store_config: dict) -> frozenset[int]:
-    ids = store_config.get("eos_token_id")
-    out = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        out.add(int(tokenizer.eos_token_id))
-    return frozenset(int(i) for i in out)
+def chat_end_of_turn(tokenizer: Any) -> set[int]:
+    """The special token the chat template puts right after an assistant turn (e.g. <|im_end|>), if any."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return set()
+    marker = "dsdmarker"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # templates can refuse such a conversation; then there is nothing to add
+        return set()
+    after = text[text.rfind(marker) + len(marker):]
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    first = next((tok for tok in sorted(special, key=len, reverse=True) if tok and after.lstrip().startswith(tok)), None)
+    return {int(tokenizer.convert_tokens_to_ids(first))} if first else set()
+
+
+def eos_ids(tokenizer: Any, manifest: Manifest) -> frozenset[int]:
+    """Every token id that ends generation: the store's (its generation config's list, kept at convert
+    time), the config's eos, the tokenizer's eos and end-of-text tokens, and the chat template's end of turn."""
+    ids = set(manifest.eos_token_ids) | _config_ids(manifest.config.get("eos_token_id"))
+    ids |= tokenizer_end_ids(tokenizer) | chat_end_of_turn(tokenizer)
+    return frozenset(i for i in ids if 0 <= i < manifest.vocab_size)
+
+
+def _config_ids(value: Any) -> set[int]:
+    values = value if isinstance(value, list) else [value] if value is not None else []
+    return {int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)}

@@ -81,7 +81,7 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
         setup, tokenizer = load_head_setup(spec.target, spec.draft, params, seed=0)
         task_id, prompt_text = humaneval_prompt(spec.problem)
         prompt = list(tokenizer(prompt_text)["input_ids"])
-        eos = eos_ids(tokenizer, store.manifest.config)
+        eos = eos_ids(tokenizer, store.manifest)
         say(f"== completing {task_id} ({len(prompt)} prompt tokens, {spec.max_new_tokens} new, greedy)")
         say(prompt_text.rstrip())
         reports: dict[str, dict[str, Any]] = {}
