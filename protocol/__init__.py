@@ -1,4 +1,4 @@
-"""Sans-IO wire protocol: messages, framing, session rules, tensor and top-K codecs.
+"""Sans-IO wire protocol: messages, framing, session rules, token-tree rules (`trees`), tensor and top-K codecs.
 
 Bytes in, typed messages out, or a `ProtocolError` naming the field that was wrong.
 No sockets, no event loop, no model code.

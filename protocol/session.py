@@ -91,7 +91,8 @@ class SessionState:
         try:
             return check_path(window.parents, window.nodes, list(keep))
         except ProtocolError as exc:
-            raise SessionRuleError(exc.message, exc.field or "keep", BAD_REQUEST) from None
+            field = exc.field or "keep"  # named in the message too: peers send only the message
+            raise SessionRuleError(f"{field}: {exc.message}", field, BAD_REQUEST) from None
 
     def extend(self, tokens: int, parents: Sequence[int] | None = None) -> int:
         """Append the `tokens` nodes of the window just begun (a tree if `parents`, as a message carries them

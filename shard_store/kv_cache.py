@@ -83,13 +83,18 @@ class SpanCache:
             raise StoreError(f"cache keep: prefix length {prefix_len} != the last window's start {start}")
         path = check_path(parents, nodes, rows)
         if path != list(range(len(path))):  # a prefix of the window is already in place
-            for bufs in (self._keys, self._values):
-                for buf in bufs:
-                    if buf is not None:
-                        index = torch.tensor(path, dtype=torch.long, device=buf.device) + start
-                        buf[:, :, start : start + len(path)] = buf.index_select(2, index)
+            self._copy_rows(start, path)
         self._length = start + len(path)
         self._window = None
+
+    @torch.inference_mode()
+    def _copy_rows(self, start: int, path: list[int]) -> None:
+        """Move the path's rows to [start, start + len(path)) in every buffer (inference tensors need inference mode)."""
+        for bufs in (self._keys, self._values):
+            for buf in bufs:
+                if buf is not None:
+                    index = torch.tensor(path, dtype=torch.long, device=buf.device) + start
+                    buf[:, :, start : start + len(path)] = buf.index_select(2, index)
 
     def begin(self, tokens: int, parents: list[int] | None = None) -> None:
         """Start appending a window of `tokens` positions (called by SpanModule before its layers run);

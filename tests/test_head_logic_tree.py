@@ -438,9 +438,9 @@ def _value(tree: DraftTree, node: int, vocab: int) -> float:
 
 
 def test_expand_tree_with_full_width_keeps_the_globally_best_paths() -> None:
-    vocab, depth, budget = 4, 3, 10
+    vocab, depth, budget = 3, 3, 10
     calls: list = []
-    tree = expand_tree(_path_dist((), vocab), _recording_step(vocab, calls), budget=budget, depth=depth, top_k=vocab, width=64)
+    tree = expand_tree(_path_dist((), vocab), _recording_step(vocab, calls), budget=budget, depth=depth, top_k=vocab, width=vocab ** (depth - 1))
     everything: dict[tuple[int, ...], float] = {}
     layer: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
     for _ in range(depth):
@@ -529,7 +529,7 @@ def test_expand_tree_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="budget"):
         expand_tree(root, step, budget=MAX_TREE_NODES + 1, depth=2, top_k=2)
     with pytest.raises(ValueError, match="drafted nodes"):
-        expand_tree(root, step, budget=60, depth=12, top_k=10, width=10)
+        expand_tree(root, step, budget=60, depth=12, top_k=10, width=10)  # 1090 candidates
     assert len(expand_tree(root, step, budget=60, depth=7, top_k=10, width=10)) == 60  # EAGLE-2 defaults fit
     with pytest.raises(ValueError, match="frontier"):
         expand_tree(root, lambda t, f: torch.full((1, 4), 0.25), budget=9, depth=2, top_k=2, width=2)

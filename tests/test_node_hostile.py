@@ -185,6 +185,142 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
     assert rss_after - rss_before < 150_000, (rss_before, rss_after)
 
 
+def raw_forward(session: str, rows: int, **patch: object) -> bytes:
+    """A Forward frame of `rows` zero hidden rows at 0 with `patch` applied to its wire map: what a hostile
+    head sends (the message classes refuse to build it)."""
+    body = Fwd(session, 0, 0, 0, encode_tensor(np.zeros((rows, 64), np.float32), "raw")).to_wire()
+    body.update(patch)
+    raw = msgpack.packb(body, use_bin_type=True)
+    return len(raw).to_bytes(4, "big") + raw
+
+
+async def raw_session_exchange(node, legs, peer: dict, session: str, frame: bytes) -> list:
+    """Open `session` on a raw infer stream (return leg to this head), then write `frame`: the frames answered."""
+    legs.expect(session)
+    try:
+        stream = await node.open_raw(peer["peer_id"], peer["addrs"], INFER_PROTOCOL)
+        decoder = FrameDecoder()
+        got: list = []
+        with trio.fail_after(20):
+            head_hop = Hop(node.peer_id, tuple(node.addrs), 0, 0)
+            await stream.write(encode(OpenSession(session, MODEL, 0, 5, 32, (head_hop,))))
+            while not got:  # the Ack first, so the bad frame is read inside the session
+                got.extend(decoder.feed(await stream.read(65536)))
+            await stream.write(frame)
+            while True:
+                try:
+                    chunk = await stream.read(65536)
+                except Exception:
+                    break
+                if not chunk:
+                    break
+                got.extend(decoder.feed(chunk))
+        return got
+    finally:
+        legs.forget(session)
+
+
+def _log_tails(log: str) -> list[str]:
+    """The messages of a daemon log's lines (after 'LEVEL logger: ')."""
+    return [line.split(": ", 1)[1] for line in Path(log).read_text().splitlines() if ": " in line]
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root down to `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_hostile_trees_are_refused_before_compute(peer: dict, tiny_qwen2_root: Path) -> None:
+    """Malformed token trees get Error bad_request (too many nodes: limit) and end only their session;
+    the peer then serves a well-formed tree exactly."""
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+    hops = [Hop(peer["peer_id"], tuple(peer["addrs"]), 0, 5)]
+    outcomes: dict[str, str] = {}
+    computed: dict[str, int] = {}  # session id: the windows it ran before its bad one
+
+    def embed(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return head.embed(torch.tensor([ids]))[0].numpy()
+
+    async def refused(node, legs, label: str, prefix: list[int], send, good_windows: int = 1) -> RouteError:
+        """Send `prefix` as a chain (it must succeed), then `send`'s window, which must be refused."""
+        async with open_route_session(node, legs, hops, model=MODEL, max_len=32) as session:
+            await session.forward(embed(prefix), start=0, commit=0)
+            with pytest.raises(RouteError) as info:
+                await send(session)
+                await session.receive_result(timeout=20)
+            computed[session.id] = good_windows
+        outcomes[label] = f"Error {info.value.code}: {info.value}"
+        return info.value
+
+    async def main() -> None:
+        async with head_node([peer["bootstrap"]]) as (node, legs):
+            raw_cases = {  # label: (hidden rows, wire fields, code, field named)
+                "tree index out of range": (3, {"parents": [-1, 0, 7]}, "bad_request", "Forward.parents[2]"),
+                "tree forward reference": (3, {"parents": [-1, 2, 0]}, "bad_request", "Forward.parents[1]"),
+                "tree node its own parent": (2, {"parents": [-1, 1]}, "bad_request", "Forward.parents[1]"),
+                "too many tree nodes": (65, {"parents": [-1] * 65}, "limit", "Forward.parents"),
+                "parents for other rows": (3, {"parents": [-1, 0]}, "bad_request", "Forward.parents"),
+                "keep without commit": (1, {"commit": None, "keep": [0]}, "bad_request", "Forward.keep"),
+            }
+            for i, (label, (rows, patch, code, field)) in enumerate(raw_cases.items()):
+                session = f"tree-{i}"
+                frames = await raw_session_exchange(node, legs, peer, session, raw_forward(session, rows, **patch))
+                assert [type(f).__name__ for f in frames] == ["Ack", "Error"], frames
+                error = frames[1]
+                outcomes[label] = f"Error {error.code}: {error.message}"
+                assert error.code == code and f"{field}:" in error.message, error
+                assert error.blame == peer["peer_id"]
+                computed[session] = 0
+
+            deep = [-1] + list(range(14))  # 15 nodes, depth 14: positions 20..34 of a 32-token session
+            error = await refused(node, legs, "tree deeper than max_len", list(range(3, 23)),
+                                  lambda s: s.send_window(embed(list(range(40, 55))), start=20, commit=None, parents=deep))
+            assert error.code == "limit" and "position 35 is past the session's max_len 32" in str(error)
+            error = await refused(node, legs, "tree rows beyond max_len", list(range(3, 23)),
+                                  lambda s: s.send_window(embed(list(range(40, 53))), start=20, commit=None, parents=[-1] * 13))
+            assert error.code == "limit" and "a tree of 13 nodes needs 33 KV rows" in str(error)
+
+            async def bad_keep(session, keep: list[int], commit: int) -> None:
+                await session.forward(embed([40, 41, 42, 43]), start=4, commit=None, parents=[-1, 0, 0, 1])
+                await session.send_window(embed([50]), start=commit + len(keep), commit=commit, keep=keep)
+
+            error = await refused(node, legs, "keep that is not a path", [3, 4, 5, 6], lambda s: bad_keep(s, [0, 3], 4), 2)
+            assert error.code == "bad_request" and "keep[1]: 3 is not a child of node 0 (its parent is 1)" in str(error)
+            error = await refused(node, legs, "keep of another window", [3, 4, 5, 6], lambda s: bad_keep(s, [0, 1], 3), 2)
+            assert error.code == "bad_request" and "keep needs commit = 4" in str(error)
+
+            # The peer still serves trees exactly: every node equals its path run as a chain.
+            prefix, parents, tokens = [1, 17, 42, 99, 5], [-1, 0, 0, 1, -1, 4], [6, 7, 8, 9, 10, 11]
+            async with open_route_session(node, legs, hops, model=MODEL, max_len=32) as session:
+                await session.forward(embed(prefix), start=0, commit=0)
+                out = await session.forward(embed(tokens), start=5, commit=None, parents=parents)
+            with torch.no_grad():
+                got = head.logits(torch.from_numpy(out).unsqueeze(0))[0]
+                for leaf in (2, 3, 5):
+                    path = path_to(parents, leaf)
+                    want = reference(input_ids=torch.tensor([prefix + [tokens[i] for i in path]])).logits[0, len(prefix):]
+                    assert torch.allclose(got[path], want, atol=1e-4), leaf
+
+    trio.run(main)
+    assert pid_alive(peer["pid"])
+    # Refused before any compute: each session ran only its good windows (the peer logs the count at close).
+    want = {f"session {sid} closed after {n} windows" for sid, n in computed.items()}
+    deadline = time.monotonic() + 10
+    while not want <= set(_log_tails(peer["log"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert want <= set(_log_tails(peer["log"])), want - set(_log_tails(peer["log"]))
+    print("\nhostile tree outcomes:")
+    for label, what in outcomes.items():
+        print(f"  {label}: {what}")
+
+
 def test_allow_list_refuses_strangers(tiny_qwen2_root: Path, tmp_path: Path) -> None:
     allow = tmp_path / "allow.txt"
     allow.write_text("# only this friend\n12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK\n")

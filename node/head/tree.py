@@ -23,7 +23,9 @@ from dsd.protocol.limits import DEFAULT_LIMITS
 __all__ = ["MAX_TREE_NODES", "Children", "DraftTree", "check_parents", "expand_tree", "StepFn"]
 
 # A window on the wire is the last committed token plus the tree's nodes.
-MAX_TREE_NODES = DEFAULT_LIMITS.max_tokens_per_window - 1
+MAX_TREE_NODES = DEFAULT_LIMITS.max_tree_nodes  # what the wire accepts (protocol/limits.py)
+# A tree held on the head while drafting (the candidate pool) may be larger: only `budget` nodes are sent.
+MAX_POOL_NODES = DEFAULT_LIMITS.max_tokens_per_window - 1
 
 
 class Children(enum.Enum):
@@ -79,7 +81,7 @@ class DraftTree:
 
     def __post_init__(self) -> None:
         tokens = tuple(_as_int(t, f"tokens[{i}]") for i, t in enumerate(self.tokens))
-        parents = tuple(check_parents(self.parents))
+        parents = tuple(check_parents(self.parents, MAX_POOL_NODES))
         if len(tokens) != len(parents):
             raise ValueError(f"tokens and parents must have the same length, got {len(tokens)} and {len(parents)}")
         for i, t in enumerate(tokens):
@@ -204,7 +206,8 @@ def expand_tree(
     creation order (parents first, siblings by falling draft probability). Tokens of
     zero draft probability are never added. Layers stop early once no frontier node
     can beat the budget-th best node already found, which leaves the result unchanged.
-    Every drafted node (top_k + (depth − 1)·width·top_k at most) must fit MAX_TREE_NODES.
+    Every drafted node (top_k + (depth − 1)·width·top_k at most) must fit MAX_POOL_NODES; the kept
+    `budget` must fit MAX_TREE_NODES (what a window may carry).
     `keep_q` stores each node's parent distribution as q (TOPK children; for τ).
     """
     for name, value in (("budget", budget), ("depth", depth), ("top_k", top_k)):
@@ -216,9 +219,9 @@ def expand_tree(
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
     pool_max = top_k + (depth - 1) * width * top_k
-    if pool_max > MAX_TREE_NODES:
+    if pool_max > MAX_POOL_NODES:
         raise ValueError(
-            f"up to top_k + (depth − 1)·width·top_k = {pool_max} drafted nodes; at most {MAX_TREE_NODES} fit a tree"
+            f"up to top_k + (depth − 1)·width·top_k = {pool_max} drafted nodes; at most {MAX_POOL_NODES} fit a tree"
         )
     if not isinstance(root_probs, torch.Tensor) or root_probs.dim() != 1 or root_probs.numel() == 0:
         raise ValueError("root_probs must be a non-empty 1-D tensor [V]")

@@ -27,6 +27,10 @@ class RouteBackend:
     remembers every token it has placed in the peers' caches; when a `RouteKeeper`
     replaces a failed route, it replays them into the new peers (in chunks) and
     re-sends the window, so the engine never notices beyond the delay.
+
+    Whatever is sent in chunks (a long prompt, a replay, a window longer than a
+    chunk), the result rows of the chunk before the last are kept: a window that
+    straddles a chunk boundary still gets all its rows.
     """
 
     def __init__(self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128) -> None:
@@ -38,6 +42,7 @@ class RouteBackend:
         self.head_compute_s = 0.0
         self._tokens: list[int] = []  # token at each position the peers hold (or are computing)
         self._failure: RouteError | None = None
+        self._before_last: np.ndarray | None = None  # result rows of the chunk before the last one sent
 
     @property
     def session(self) -> RouteSession:
@@ -65,22 +70,23 @@ class RouteBackend:
         self._tokens = self._tokens[:start] + list(tokens)
         self._failure = None
         try:
-            at = start
-            while len(tokens) - (at - start) > self.replay_chunk:
-                await self._send(tokens[at - start : at - start + self.replay_chunk], at, at if at > start else commit, epoch)
-                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
-                at += self.replay_chunk
-            await self._send(tokens[at - start :], at, at if at > start else commit, epoch)
+            await self._send_chunks(tokens, start, commit, epoch)
         except RouteError as exc:
             self._failure = exc  # handled in collect(): fail over, replay everything, re-send the window
 
-    async def _replay(self, epoch: int) -> None:
-        """Fill a fresh route's caches with every held token; the last chunk's result is the window's."""
-        for at in range(0, len(self._tokens), self.replay_chunk):
-            chunk = self._tokens[at : at + self.replay_chunk]
-            await self._send(chunk, at, at, epoch)
-            if at + len(chunk) < len(self._tokens):
-                await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+    async def _send_chunks(self, tokens: Sequence[int], start: int, commit: int, epoch: int) -> None:
+        """Send `tokens` at positions start.. in chunks of `replay_chunk`, awaiting every result but the last's.
+
+        The rows of the chunk before the last are kept: with them, the last `rows` positions are at
+        hand for any window of up to `replay_chunk` + 1 tokens, wherever the chunk boundaries fall.
+        """
+        self._before_last = None
+        at = start
+        while len(tokens) - (at - start) > self.replay_chunk:
+            await self._send(tokens[at - start : at - start + self.replay_chunk], at, at if at > start else commit, epoch)
+            _, self._before_last = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+            at += self.replay_chunk
+        await self._send(tokens[at - start :], at, at if at > start else commit, epoch)
 
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
         while True:
@@ -93,9 +99,13 @@ class RouteBackend:
             failure, self._failure = self._failure, None
             await self.keeper.replace(failure)
             try:
-                await self._replay(epoch)
+                await self._send_chunks(self._tokens, 0, 0, epoch)  # replay every held token, the window last
             except RouteError as exc:
                 self._failure = exc
+        if len(hidden) < rows and self._before_last is not None:
+            hidden = np.concatenate([self._before_last, hidden])
+        if len(hidden) < rows:
+            raise ValueError(f"{rows} rows asked of a window sent in chunks of {self.replay_chunk} (at most chunk + 1)")
         t0 = time.perf_counter()
         logits = await trio.to_thread.run_sync(self._logits, hidden, rows, limiter=self._limiter)
         self.head_compute_s += time.perf_counter() - t0
