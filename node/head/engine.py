@@ -32,6 +32,8 @@ from .window import WindowController
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window size
+
 
 
 class TargetBackend(Protocol):
@@ -272,7 +274,11 @@ class HeadEngine:
                 nursery.start_soon(self._collect_into, box, arrived, epoch, rows)
                 expected = self.window.expected_round_s(len(drafts.tokens))
                 due = None if expected is None else t_sent + expected
-                bets = await self._predraft(committed, drafts, gamma_next, arrived, due)
+                # Draft a little past the current choice: the controller may pick a longer window once
+                # this round is observed, and a branch shorter than that would cut the next window short.
+                room = self.cfg.max_new_tokens - (produced + len(drafts.tokens) + 1)
+                ahead = max(gamma_next, min(gamma_next + LOOKAHEAD, self.cfg.gamma_max, room))
+                bets = await self._predraft(committed, drafts, ahead, arrived, due)
                 t_wait = time.perf_counter()
                 await arrived.wait()
                 self.times.waiting += time.perf_counter() - t_wait
