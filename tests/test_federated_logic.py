@@ -183,3 +183,22 @@ def test_engine_with_self_draft_accepts_everything_when_sampling_from_probabilit
     result = trio.run(HeadEngine(backend, drafter, cfg).generate, [1, 17, 42, 99])
     assert len(result.tokens) == 24
     assert result.drafted > 0 and result.acceptance_rate > 0.97
+
+
+def test_top_p_applies_to_the_aggregate_after_the_workers_temperature(whole) -> None:
+    """Workers send temperature-only distributions; the engine applies top-p to the aggregate: every
+    sampled token lies in the aggregate's nucleus (ignoring top-p would sample outside it)."""
+    store, _, _, _ = whole
+    prompt = [1, 17, 42, 99]
+    params = SamplingParams(temperature=1.5, top_p=0.3)
+    backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 1.5)
+    with torch.inference_mode():
+        logits = backend.head.logits(backend._run(prompt, 0, 0)[-1:].unsqueeze(0))[0, -1]
+    nucleus = set(torch.nonzero(warp(logits, params) > 0).flatten().tolist())
+    assert 1 <= len(nucleus) < 50  # a real cut of the 300-token vocabulary
+    seen = set()
+    for seed in range(40):
+        backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 1.5)
+        cfg = GenerationConfig(mode="ar", max_new_tokens=1, params=params, seed=seed)
+        seen.add(trio.run(HeadEngine(backend, None, cfg).generate, prompt).tokens[0])
+    assert seen <= nucleus, sorted(seen - nucleus)

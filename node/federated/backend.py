@@ -45,6 +45,11 @@ from .pool import FederatedError, WorkerInfo, exchange_hello, pool_key
 
 log = logging.getLogger(__name__)
 
+# K asked of every worker by default. bench/results/federated-2026-11-29.json (1.5B + 0.5B workers,
+# 3 prompts, T ∈ {0.8, 1.0, 1.2}): K = 64 keeps the aggregate's ℓ1 bias under 2ε̄ at every temperature,
+# changes acceptance by ≤ 0.8 %, and costs 234 B per position instead of 608 KB for the whole distribution.
+DEFAULT_TOPK = 64
+
 
 # Longest window the server sends; longer prompts are prefilled in chunks of this size.
 PREFILL_CHUNK = ServerLimits.max_window
@@ -129,7 +134,7 @@ class FederatedBackend:
         vocab_size: int,
         params: SamplingParams,
         max_len: int,
-        top_k: int | None = None,
+        top_k: int | None = DEFAULT_TOPK,
         weights: Sequence[float] | None = None,
         method: str = "residual",
         window_timeout_s: float = 60.0,
@@ -288,9 +293,11 @@ class FederatedBackend:
             at += PREFILL_CHUNK
             first_commit = None
         rest = tuple(tokens[at:])
-        k = self.top_k if self.top_k is not None else self.vocab_size
+        k = min(self.top_k, self.vocab_size) if self.top_k is not None else self.vocab_size
+        # Workers apply the temperature only; top-k and top-p apply to the aggregate, in that order
+        # (the engine verifies against warp(log p̂, top_k, top_p) at temperature 1).
         msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, rest, k, self.params.temperature,
-                                self.params.top_p, rows=min(rows, len(rest))))
+                                1.0, rows=min(rows, len(rest))))
         targets = self.active
         if not targets:
             raise FederatedError(self._none_left())

@@ -24,7 +24,7 @@ async def generate_federated(
     cfg: GenerationConfig,
     *,
     vocab_size: int,
-    top_k: int | None = None,
+    top_k: int | None = DEFAULT_TOPK,
     weights: Sequence[float] | None = None,
     method: str = "residual",
     window_timeout_s: float = 60.0,

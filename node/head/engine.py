@@ -132,12 +132,12 @@ class HeadEngine:
         self.overlap = cfg.mode in ("dsd", "dsd-adaptive")
         # In dsd the drafting hides behind the trip (when a branch comes true); in sd it adds to it.
         self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=self.overlap)
-        # A probability backend already applied temperature/top-p: verify against log(p) at temperature 1
-        # (warp gives p back; the user's top-k, if any, then filters the aggregate); greedy = argmax of p.
+        # A probability backend already applied the temperature: verify against log(p) at temperature 1,
+        # where warp applies the user's top-k and then top-p to the aggregate; greedy = argmax of p.
         self.returns_probs = bool(getattr(backend, "returns_probs", False))
         self.verify_params = cfg.params
         if self.returns_probs and not cfg.params.greedy:
-            self.verify_params = SamplingParams(temperature=1.0, top_k=cfg.params.top_k)
+            self.verify_params = SamplingParams(temperature=1.0, top_k=cfg.params.top_k, top_p=cfg.params.top_p)
         self.adaptive = (
             AdaptiveVerifier(tau_max=cfg.tau_max, params=self.verify_params) if cfg.mode == "dsd-adaptive" else None
         )
