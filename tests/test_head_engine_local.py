@@ -48,7 +48,8 @@ def test_greedy_modes_equal_hf_generate(tiny_qwen2_root, mode: str, drafter_kind
         cfg = GenerationConfig(mode=mode, max_new_tokens=n, tau_max=0.0)
         result = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt)
         assert result.tokens == expected, (mode, drafter_kind, prompt)
-        assert backend.length == len(prompt) + n - 1 or result.tokens[-1:] == expected[-1:]
+        # The target's KV holds every committed token but the last, and no rejected or surplus draft.
+        assert backend.length == len(prompt) + n - 1, (mode, drafter_kind, prompt, backend.length)
         if mode != "ar" and drafter_kind == "self":
             assert result.acceptance_rate == 1.0
             assert result.rounds < n

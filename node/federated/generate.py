@@ -10,7 +10,7 @@ from dsd.discovery.host import P2PNode
 from dsd.node.head.engine import Drafter, GenerationConfig, HeadEngine
 from dsd.node.head.setup import HeadSetup
 
-from .backend import open_federated_backend
+from .backend import DEFAULT_TOPK, open_federated_backend
 from .pool import FederatedError, WorkerInfo, find_workers
 
 log = logging.getLogger(__name__)

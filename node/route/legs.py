@@ -24,6 +24,7 @@ class ReturnLegs:
 
     def __init__(self) -> None:
         self._inboxes: dict[str, trio.MemorySendChannel[Message | BaseException]] = {}
+        self._streams: dict[str, FramedStream] = {}  # session id -> its return leg (for its byte counts)
 
     def expect(self, session: str) -> trio.MemoryReceiveChannel[Message | BaseException]:
         send, recv = trio.open_memory_channel[Message | BaseException](64)
@@ -32,9 +33,14 @@ class ReturnLegs:
 
     def forget(self, session: str) -> None:
         self._inboxes.pop(session, None)
+        self._streams.pop(session, None)
 
     def inbox(self, session: str) -> trio.MemorySendChannel[Message | BaseException] | None:
         return self._inboxes.get(session)
+
+    def stream(self, session: str) -> FramedStream | None:
+        """The return leg of `session`, once its last peer has opened it (until the session is forgotten)."""
+        return self._streams.get(session)
 
     async def serve(self, stream: FramedStream, remote: str, first: Ack) -> None:
         """Pump one return leg into its session's inbox until EOF."""
@@ -43,6 +49,7 @@ class ReturnLegs:
             await stream.send(Error("unknown_session", f"this head has no session {first.session!r}", first.session))
             await stream.close()
             return
+        self._streams[first.session] = stream
         try:
             await inbox.send(first)
             while True:

@@ -12,7 +12,6 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,12 +41,30 @@ from .legs import ReturnLegs
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class Traffic:
-    """Bytes this head has put on and taken off the wire for one session."""
+    """Bytes this head has put on and taken off the wire for one session, frame headers included.
 
-    sent: int = 0
-    received: int = 0
+    Exact, not estimated: what was written to and read from the session's two streams (the first
+    stream carries the windows out and errors back, the return leg carries the results).
+    """
+
+    def __init__(self) -> None:
+        self._streams: list[FramedStream] = []
+
+    def watch(self, stream: FramedStream) -> None:
+        """Count every byte this stream moves, both ways (its counters are read when asked)."""
+        self._streams.append(stream)
+
+    @property
+    def sent(self) -> int:
+        return sum(s.bytes_sent for s in self._streams)
+
+    @property
+    def received(self) -> int:
+        return sum(s.bytes_received for s in self._streams)
+
+    def __repr__(self) -> str:
+        return f"Traffic(sent={self.sent}, received={self.received})"
 
 
 class RouteSession:
@@ -109,6 +126,7 @@ class RouteSession:
         try:
             with trio.fail_after(self.open_timeout_s):
                 self._stream = await self.node.open(first.peer_id, first.addrs, INFER_PROTOCOL)
+                self.traffic.watch(self._stream)
                 await self._stream.send(
                     OpenSession(self.id, self.model, first.start, first.end, self.max_len, route)
                 )
@@ -120,6 +138,9 @@ class RouteSession:
                 leg = await self._next_message()
                 if not isinstance(leg, Ack):
                     raise RouteError(f"return leg opened with {type(leg).__name__}", peer=self.hops[-1].peer_id)
+                leg_stream = self.legs.stream(self.id)
+                if leg_stream is not None:
+                    self.traffic.watch(leg_stream)
         except trio.TooSlowError as exc:
             raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id) from exc
         except (EOFError, ProtocolError, OSError) as exc:
@@ -172,7 +193,7 @@ class RouteSession:
         """Send any message on the session's first stream (windows normally go through `send_window`)."""
         assert self._stream is not None
         try:
-            self.traffic.sent += await self._stream.send(msg)
+            await self._stream.send(msg)
         except Exception as exc:  # reset, closed, peer gone
             raise RouteError(f"sending to the first peer failed: {exc!r}", peer=self.hops[0].peer_id) from exc
 
@@ -203,7 +224,6 @@ class RouteSession:
                 while True:
                     msg = await self._next_message()
                     if isinstance(msg, Result) and msg.epoch >= epoch:
-                        self.traffic.received += _wire_bytes(msg)
                         return msg.start, decode_tensor(msg.hidden)
                     log.debug("session %s skipped %s", self.id, type(msg).__name__)
         except trio.TooSlowError as exc:
@@ -273,8 +293,3 @@ async def open_route_session(
             failure = exc
     if failure is not None:
         raise failure
-
-
-def _wire_bytes(msg: Result) -> int:
-    """Approximate frame size of a result (tensor payload dominates)."""
-    return len(msg.hidden.data) + 64

@@ -1,0 +1,198 @@
+"""Speculative sampling through the whole engine is lossless at temperature 1: over thousands of seeds,
+the first generated token and the first two follow the target's own distribution (chi-square), in
+`sd` and in `dsd` (with pre-drafted windows reused), while a deliberately broken verifier fails the
+same test.
+
+A tiny 1-layer target and a different tiny draft (vocabulary 12) keep every run to a few ms; the
+exact target distribution is computed by running the target on the prompt and on prompt + each
+first token. Seeds are fixed, so the outcome is deterministic."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+import trio
+
+from conftest import make_tiny_model
+from dsd.node.head import engine as engine_module
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.local import LocalBackend
+from dsd.node.head.sampling import SamplingParams, sample, warp
+from dsd.node.head.verify import Verdict, verify_window
+from dsd.shard_store import HeadModule, SpanModule, Store
+from dsd.shard_store.writer import write_store
+
+VOCAB = 12
+TINY = dict(layers=1, hidden_size=16, intermediate_size=32, vocab_size=VOCAB)
+PROMPT = [1, 5, 7]
+RUNS = 4000
+BROKEN_RUNS = 2000  # plenty: each broken rule below scores p < 1e-20 here
+T1 = SamplingParams(temperature=1.0)
+ALPHA = 1e-3  # a correct rule fails with this probability (the seeds are fixed: it passes or fails for good)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[HeadModule, SpanModule, torch.nn.Module, torch.Tensor]:
+    """(target head, target span, draft model, exact joint distribution of the first two tokens [V, V])."""
+    target = make_tiny_model("llama", seed=11, **TINY)
+    draft = make_tiny_model("llama", seed=22, **TINY)
+    folder = tmp_path_factory.mktemp("target") / "store"
+    write_store(target, folder, model_id="tiny-target")
+    store = Store(folder)
+    with torch.inference_mode():
+        first = torch.softmax(target(torch.tensor([PROMPT])).logits[0, -1].double(), dim=-1)
+        second = torch.softmax(target(torch.tensor([[*PROMPT, t] for t in range(VOCAB)])).logits[:, -1].double(), dim=-1)
+        q = torch.softmax(draft(torch.tensor([[*PROMPT, t] for t in range(VOCAB)])).logits[:, -1].double(), dim=-1)
+    # The draft really differs from the target where it is verified (else a broken rule could pass).
+    assert float((0.5 * (second - q).abs().sum(-1)).min()) > 0.2
+    return store.load_head(), store.load_span(0, 1), draft, first[:, None] * second
+
+
+class BoundedDrafter(ModelDrafter):
+    """A model drafter that pre-drafts at most `limit` batched steps per generation (outcome branches
+    get no token after that: the engine drops them) and counts the steps it made."""
+
+    def __init__(self, model: torch.nn.Module, params: SamplingParams, generator: torch.Generator, limit: int) -> None:
+        super().__init__(model, params, generator)
+        self.limit = limit
+        self.steps = 0
+
+    def step_many(self, contexts: Sequence[Sequence[int]]) -> list[tuple[int | None, torch.Tensor | None]]:
+        if self.steps >= self.limit:
+            return [(None, None)] * len(contexts)
+        self.steps += 1
+        return list(super().step_many(contexts))
+
+
+class HeldBackend(LocalBackend):
+    """The whole target in-process, but the prompt's result lands only once the drafter has made its
+    pre-drafting steps.
+
+    In-process the result is ready at once, so `dsd` would never hold a drafted branch when the
+    verdict arrives; holding it like a slow route makes reused branches happen. With the drafter's
+    steps bounded, how far the branches get never depends on timing: every run is deterministic.
+    """
+
+    def __init__(self, head: HeadModule, spans: Sequence[SpanModule], drafter: BoundedDrafter, hold: bool) -> None:
+        super().__init__(head, spans)
+        self.drafter = drafter
+        self.hold = hold
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        if self.hold:
+            with trio.fail_after(10):
+                while self.drafter.steps < self.drafter.limit:
+                    await trio.sleep(0.0005)
+            self.hold = False
+        return await super().collect(epoch=epoch, rows=rows)
+
+
+def generate_many(models, mode: str, runs: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The first two tokens of `runs` generations (seed i for the engine, 10**6 + i for the drafter), and
+    those of the runs whose second window was a pre-drafted branch."""
+    head, span, draft, _ = models
+
+    async def main() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        pairs: list[tuple[int, int]] = []
+        reused: list[tuple[int, int]] = []
+        for seed in range(runs):
+            # dsd: while the prompt is in flight, one step for the main branch's root (the bet on the
+            # first token; alternatives join it), one for each branch's draft token.
+            drafter = BoundedDrafter(draft, T1, torch.Generator().manual_seed(10**6 + seed), limit=2)
+            backend = HeldBackend(head, [span], drafter, hold=mode == "dsd")
+            # Three tokens: the prompt's result gives the first; the second window carries one draft
+            # (none would be drafted for a last token), so the second token is a verified one.
+            cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed)
+            result = await HeadEngine(backend, drafter, cfg).generate(PROMPT)
+            pairs.append((result.tokens[0], result.tokens[1]))
+            if result.ready_rounds:
+                reused.append(pairs[-1])
+        return pairs, reused
+
+    return trio.run(main)
+
+
+def chi_square_p(observed: Counter, expected: dict) -> float:
+    """p-value of Pearson's chi-square test of counts against expected counts (cells expecting fewer
+    than 5 pooled into one); the regularised upper incomplete gamma gives it exactly."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, e in expected.items():
+        if e < 5:
+            pooled_obs += observed.get(key, 0)
+            pooled_exp += e
+            continue
+        stat += (observed.get(key, 0) - e) ** 2 / e
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    assert abs(sum(observed.values()) - sum(expected.values())) < 1e-6 and not set(observed) - set(expected)
+    df = cells - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def p_values(models, pairs: list[tuple[int, int]]) -> tuple[float, float]:
+    """p-values of the first token and of the first two against the target's exact distributions."""
+    joint = models[3]
+    first = joint.sum(1)
+    n = len(pairs)
+    p_first = chi_square_p(Counter(a for a, _ in pairs), {a: n * float(first[a]) for a in range(VOCAB)})
+    p_joint = chi_square_p(Counter(pairs), {(a, b): n * float(joint[a, b]) for a in range(VOCAB) for b in range(VOCAB)})
+    return p_first, p_joint
+
+
+def p_second_given_first(models, pairs: list[tuple[int, int]]) -> float:
+    """p-value of the second tokens against the target's, given the first tokens seen (a conservative
+    test: the expected counts are sums of the rows' multinomials)."""
+    joint = models[3]
+    second = joint / joint.sum(1, keepdim=True)
+    firsts = Counter(a for a, _ in pairs)
+    expected = {b: sum(n * float(second[a, b]) for a, n in firsts.items()) for b in range(VOCAB)}
+    return chi_square_p(Counter(b for _, b in pairs), expected)
+
+
+@pytest.mark.parametrize("mode", ["sd", "dsd"])
+def test_first_tokens_follow_the_target_distribution(models, mode: str) -> None:
+    pairs, reused = generate_many(models, mode, RUNS)
+    p_first, p_joint = p_values(models, pairs)
+    print(f"\n{mode}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}, reused windows {len(reused)}/{RUNS}")
+    assert p_first > ALPHA and p_joint > ALPHA
+    if mode == "sd":
+        assert not reused
+    else:
+        # A branch is reused when the target's first token is one of the draft's guesses (about 1 in 4
+        # here); the second tokens drawn from those reused windows follow the target too.
+        assert len(reused) > RUNS // 10
+        p_reused = p_second_given_first(models, reused)
+        print(f"dsd, reused windows only: p(second | first) = {p_reused:.3g}")
+        assert p_reused > ALPHA
+
+
+def accept_every_draft(target_logits, draft_tokens, draft_probs, params, generator=None, tau=None) -> Verdict:
+    """A broken rule: keep every draft, then the bonus token."""
+    nxt = sample(warp(target_logits, params)[len(draft_tokens)], generator)
+    return Verdict(len(draft_tokens), nxt, [*draft_tokens, nxt])
+
+
+def skip_the_residual(target_logits, draft_tokens, draft_probs, params, generator=None, tau=None) -> Verdict:
+    """A broken rule: after a rejection, sample the correction from p instead of norm(max(0, p - q))."""
+    verdict = verify_window(target_logits, draft_tokens, draft_probs, params, generator, tau)
+    k = verdict.accepted
+    if k == len(draft_tokens):
+        return verdict
+    nxt = sample(warp(target_logits, params)[k], generator)
+    return Verdict(k, nxt, [*draft_tokens[:k], nxt])
+
+
+@pytest.mark.parametrize("broken", [accept_every_draft, skip_the_residual], ids=lambda f: f.__name__)
+def test_a_broken_rule_fails_the_same_test(models, monkeypatch: pytest.MonkeyPatch, broken) -> None:
+    monkeypatch.setattr(engine_module, "verify_window", broken)
+    pairs, _ = generate_many(models, "sd", BROKEN_RUNS)
+    p_first, p_joint = p_values(models, pairs)
+    print(f"\n{broken.__name__}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}")
+    assert p_first > ALPHA  # the first token is sampled from the prompt's logits: no draft involved
+    assert p_joint < ALPHA
