@@ -40,3 +40,18 @@ def test_a_wrong_way_import_breaks_a_contract(tmp_path):
     run = lint_imports("--config", str(config))
     assert run.returncode != 0
     assert "BROKEN" in run.stdout
+
+
+def test_the_cli_offers_exactly_the_store_dtypes() -> None:
+    """`models prepare --dtype` spells the dtypes out (so --help loads no torch): they must match the store's."""
+    from dsd.node.cli.models import STORE_DTYPES
+    from dsd.shard_store.dtypes import DTYPES
+
+    assert tuple(DTYPES) == STORE_DTYPES
+
+
+def test_help_loads_no_model_libraries() -> None:
+    """`dsd-node --help` must answer without importing torch or transformers (the commands import them)."""
+    code = "import sys; from dsd.node.cli import build_parser; build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["False", "False"], run.stdout + run.stderr

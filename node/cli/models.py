@@ -9,7 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,15 +24,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from dsd.shard_store import Store, StoreError
-from dsd.shard_store.default_models import (
-    DEFAULT_PAIR,
-    DefaultModel,
-    default_cache,
-    default_store_paths,
-    prepare_model,
-)
-from dsd.shard_store.dtypes import DTYPES
+if TYPE_CHECKING:
+    from dsd.shard_store.default_models import DefaultModel
+
+# The store dtypes `--dtype` offers, spelled out so `--help` needs no torch (tests check they match
+# dsd.shard_store.dtypes.DTYPES).
+STORE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(subparsers: Any) -> None:
@@ -51,7 +48,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="cache directory (default: $DSD_CACHE or ~/.cache/dsd/models)",
     )
-    prep.add_argument("--dtype", choices=list(DTYPES), default="float32", help="store dtype (default float32)")
+    prep.add_argument("--dtype", choices=STORE_DTYPES, default="float32", help="store dtype (default float32)")
     prep.add_argument(
         "--keep-gguf",
         action="store_true",
@@ -155,6 +152,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def prepare_with_progress(cache_arg: Path | None, dtype: str, *, keep_gguf: bool = False) -> int:
     """Prepare the default pair with progress bars and a summary table (also the demo's first step)."""
+    from dsd.shard_store import Store, StoreError
+    from dsd.shard_store.default_models import (
+        DEFAULT_PAIR,
+        default_cache,
+        default_store_paths,
+        prepare_model,
+    )
+
     console = Console(stderr=False)
     cache = default_cache(cache_arg)
     steps = []
