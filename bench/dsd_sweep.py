@@ -89,6 +89,7 @@ class SweepOptions:
     tau_max: float = 0.0
     draft_quant: str = "none"
     branches: int = 8
+    tree_nodes: int | None = None  # None: the controller decides; 0: chains only
     exec_timeout: float = 5.0
     name: str = "dsd_sweep"
     results: Path | None = None
@@ -152,7 +153,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
         cfg = GenerationConfig(
             mode=mode, max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
             stop_strings=HUMANEVAL_STOPS if real else (), tau_max=opts.tau_max if mode == "dsd-adaptive" else 0.0,
-            branches=opts.branches,
+            branches=opts.branches, tree_nodes=opts.tree_nodes,
         )
         mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
         if mode_setup.drafter is not None:
@@ -218,7 +219,7 @@ def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, targ
                        "load_before": load_before, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "options": {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
                     "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
-                    "branches": opts.branches},
+                    "branches": opts.branches, "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes},
         "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
         "runs": [],
     }
@@ -295,6 +296,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     p.add_argument("--tau-max", type=float, default=0.0, help="dsd-adaptive relaxation bound (0 = lossless)")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="the draft's quantization")
     p.add_argument("--branches", type=int, default=8, help="dsd: outcome branches per trip (0 = only full acceptance)")
+    p.add_argument("--tree-nodes", default="auto", metavar="N|auto",
+                   help="drafted nodes of a token-tree window (default auto: the controller decides; 0 = chains only)")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
     p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-tiny])")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
@@ -311,10 +314,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
         p.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     if any(n < 1 for n in peers) or any(r <= 0 for r in ratios) or args.reps < 1 or args.max_new_tokens < 1:
         p.error("--peers, --reps and --max-new-tokens must be >= 1 and --ratios > 0")
+    try:
+        tree_nodes = None if args.tree_nodes == "auto" else int(args.tree_nodes)
+    except ValueError:
+        p.error(f"--tree-nodes takes a node count or auto, got {args.tree_nodes!r}")
+    if tree_nodes is not None and tree_nodes < 0:
+        p.error("--tree-nodes must be >= 0 (0 = chains)")
     name = args.name or "dsd_sweep" + ("-tiny" if args.models == "tiny" else "")
     opts = SweepOptions(models=args.models, peers=peers, ratios=ratios, problems=problems, modes=modes,
                         reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
-                        draft_quant=args.draft_quant, branches=args.branches,
+                        draft_quant=args.draft_quant, branches=args.branches, tree_nodes=tree_nodes,
                         exec_timeout=args.exec_timeout, name=name, results=args.results, state=args.state)
     return opts, args.report_only
 

@@ -1,7 +1,8 @@
 """Speculative sampling through the whole engine is lossless at temperature 1: over thousands of seeds,
 the first generated token and the first two follow the target's own distribution (chi-square), in
-`sd` and in `dsd` (with pre-drafted windows reused), while a deliberately broken verifier fails the
-same test.
+`sd`, in `sd` with token-tree windows (the draft's top 4 as siblings, rule (c)) and in `dsd` (with
+pre-drafted windows reused), while a deliberately broken verifier fails the same test, for chains and
+for trees.
 
 A tiny 1-layer target and a different tiny draft (vocabulary 12) keep every run to a few ms; the
 exact target distribution is computed by running the target on the prompt and on prompt + each
@@ -22,6 +23,7 @@ from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, sample, warp
+from dsd.node.head.tree_verify import TreeVerdict
 from dsd.node.head.verify import Verdict, verify_window
 from dsd.shard_store import HeadModule, SpanModule, Store
 from dsd.shard_store.writer import write_store
@@ -91,9 +93,12 @@ class HeldBackend(LocalBackend):
         return await super().collect(epoch=epoch, rows=rows)
 
 
-def generate_many(models, mode: str, runs: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+TREE_NODES = 4  # the tree case: the second window is the draft's 4 likeliest tokens, siblings of the root
+
+
+def generate_many(models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The first two tokens of `runs` generations (seed i for the engine, 10**6 + i for the drafter), and
-    those of the runs whose second window was a pre-drafted branch."""
+    those of the runs whose second window was a pre-drafted branch (with `tree_nodes`: a tree window)."""
     head, span, draft, _ = models
 
     async def main() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -106,10 +111,10 @@ def generate_many(models, mode: str, runs: int) -> tuple[list[tuple[int, int]], 
             backend = HeldBackend(head, [span], drafter, hold=mode == "dsd")
             # Three tokens: the prompt's result gives the first; the second window carries one draft
             # (none would be drafted for a last token), so the second token is a verified one.
-            cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed)
+            cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=tree_nodes)
             result = await HeadEngine(backend, drafter, cfg).generate(PROMPT)
             pairs.append((result.tokens[0], result.tokens[1]))
-            if result.ready_rounds:
+            if result.ready_rounds or result.tree_windows:
                 reused.append(pairs[-1])
         return pairs, reused
 
@@ -155,13 +160,16 @@ def p_second_given_first(models, pairs: list[tuple[int, int]]) -> float:
     return chi_square_p(Counter(b for _, b in pairs), expected)
 
 
-@pytest.mark.parametrize("mode", ["sd", "dsd"])
+@pytest.mark.parametrize("mode", ["sd", "sd-tree", "dsd"])
 def test_first_tokens_follow_the_target_distribution(models, mode: str) -> None:
-    pairs, reused = generate_many(models, mode, RUNS)
+    tree = mode == "sd-tree"
+    pairs, reused = generate_many(models, "sd" if tree else mode, RUNS, TREE_NODES if tree else 0)
     p_first, p_joint = p_values(models, pairs)
     print(f"\n{mode}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}, reused windows {len(reused)}/{RUNS}")
     assert p_first > ALPHA and p_joint > ALPHA
-    if mode == "sd":
+    if tree:
+        assert len(reused) == RUNS  # every second window went out as a tree of TREE_NODES siblings
+    elif mode == "sd":
         assert not reused
     else:
         # A branch is reused when the target's first token is one of the draft's guesses (about 1 in 4
@@ -188,10 +196,23 @@ def skip_the_residual(target_logits, draft_tokens, draft_probs, params, generato
     return Verdict(k, nxt, [*draft_tokens[:k], nxt])
 
 
-@pytest.mark.parametrize("broken", [accept_every_draft, skip_the_residual], ids=lambda f: f.__name__)
+def no_elimination(target, tree, params, generator=None, tau=None, **_) -> TreeVerdict:
+    """A broken tree rule (for the star trees of this test): try the root's children with p(x) but never
+    remove a rejected child from p, so the correction may repeat a rejected child."""
+    p = warp(target[0], params).double()
+    for c in tree.children_of(-1):
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[tree.tokens[c]]):
+            nxt = sample(warp(target[c + 1], params), generator)
+            return TreeVerdict(accepted=1, next_token=nxt, tokens=[tree.tokens[c], nxt], path=[c])
+    nxt = sample(p, generator)
+    return TreeVerdict(accepted=0, next_token=nxt, tokens=[nxt], path=[])
+
+
+@pytest.mark.parametrize("broken", [accept_every_draft, skip_the_residual, no_elimination], ids=lambda f: f.__name__)
 def test_a_broken_rule_fails_the_same_test(models, monkeypatch: pytest.MonkeyPatch, broken) -> None:
-    monkeypatch.setattr(engine_module, "verify_window", broken)
-    pairs, _ = generate_many(models, "sd", BROKEN_RUNS)
+    tree = broken is no_elimination
+    monkeypatch.setattr(engine_module, "verify_tree" if tree else "verify_window", broken)
+    pairs, _ = generate_many(models, "sd", BROKEN_RUNS, TREE_NODES if tree else 0)
     p_first, p_joint = p_values(models, pairs)
     print(f"\n{broken.__name__}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}")
     assert p_first > ALPHA  # the first token is sampled from the prompt's logits: no draft involved

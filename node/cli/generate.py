@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma-max", type=int, default=16)
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY; 0 = lossless)")
     p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="drafted nodes of a token-tree window (at most 63; default auto: the window controller picks a tree or a chain from measured round times and acceptance; 0 = always chains); trees need a draft model and block peers")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
@@ -55,6 +56,19 @@ def parse_weights(text: str | None) -> list[float] | None:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"dsd-node: --weights must be comma-separated numbers, got {text!r}") from None
+
+
+def _tree_nodes(text: str) -> int | None:
+    """`--tree-nodes`: `auto` (None: the controller decides) or a node budget >= 0 (0 = chains)."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a node count or auto, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = chains), got {n}")
+    return n
 
 
 def _topk(text: str) -> int | None:
@@ -103,6 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.federated and args.mode == "ar":
         return fail("--federated drafts by design; use --mode sd or dsd")
     draft = args.draft or (str(args.store) if args.federated else "ngram")
+    if args.tree_nodes and args.mode != "ar" and (args.federated or "ngram" in draft.split("+")):
+        return fail("--tree-nodes N needs a draft model store without ngram and block peers (not --federated); use auto or 0")
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated,
@@ -111,6 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
             eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop), branches=args.branches,
+            tree_nodes=args.tree_nodes,
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
     except (ValueError, StoreError, OSError) as exc:

@@ -172,7 +172,9 @@ class ModelDrafter:
     the new tokens, then drafts γ tokens (argmax when greedy, else sampled from
     `warp(logits, params)` with `generator`). `step_many(contexts)` drafts one
     token after each of several contexts in one batched forward (outcome
-    pre-drafting); `settle(context)` drops every cached branch but that context's.
+    pre-drafting); `dists_many(contexts)` returns their next-token distributions
+    without choosing (token-tree expansion: the frontier of a tree in one forward);
+    `settle(context)` drops every cached branch but that context's.
     Returned q rows are the warped distributions when sampling and the untempered
     softmax when greedy (informative for adaptive verification and for choosing
     outcome branches; the greedy verifier ignores q).
@@ -217,10 +219,14 @@ class ModelDrafter:
         """Keep only the cached prefix of `context` (drops pre-drafted branches that did not come true)."""
         self._tree.settle([int(t) for t in context])
 
+    def _dist(self, logits: torch.Tensor) -> torch.Tensor:
+        """q of one row: the untempered softmax when greedy, else the warped distribution drafts come from."""
+        return softmax(logits) if self.params.greedy else warp(logits, self.params)
+
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        q = self._dist(logits)
         if self.params.greedy:
-            return int(torch.argmax(logits)), softmax(logits)
-        q = warp(logits, self.params)
+            return int(torch.argmax(logits)), q
         return sample(q, self.generator), q
 
     def _check(self, context: Sequence[int]) -> list[int]:
@@ -259,6 +265,14 @@ class ModelDrafter:
         ctxs = [self._check(c) for c in contexts]
         logits = self._tree.extend(ctxs)
         return [self._choose(row) for row in logits]
+
+    @torch.inference_mode()
+    def dists_many(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The draft's next-token distribution after each context, q rows [len(contexts), V] as `propose`
+        returns them, in one batched forward over the cached token tree (nothing is sampled)."""
+        ctxs = [self._check(c) for c in contexts]
+        logits = self._tree.extend(ctxs)
+        return torch.stack([self._dist(row) for row in logits])
 
 
 class HybridDrafter:

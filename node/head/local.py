@@ -17,8 +17,11 @@ class LocalBackend:
     """The whole target on this machine (head + every layer in-process): the one-machine reference.
 
     Used to measure t0 (one peer's compute for a decoding step) and to check the
-    engine's logic without a network.
+    engine's logic without a network. Runs token-tree windows as the peers do: the spans
+    take `parents`, and `keep` compacts every cache to the accepted path of the last tree.
     """
+
+    supports_trees = True
 
     def __init__(self, head: HeadModule, spans: Sequence) -> None:
         self.head = head
@@ -30,19 +33,28 @@ class LocalBackend:
     def length(self) -> int:
         return self.caches[0].length
 
-    def _run(self, tokens: Sequence[int], start: int, commit: int) -> torch.Tensor:
+    def _run(
+        self, tokens: Sequence[int], start: int, commit: int,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         with torch.inference_mode():
             for cache in self.caches:
-                cache.truncate(commit)
+                if keep:
+                    cache.keep(commit, list(keep))
+                else:
+                    cache.truncate(commit)
             if start != self.length:
                 raise ValueError(f"window starts at {start} but {self.length} tokens are cached")
             hidden = self.head.embed(torch.tensor([list(tokens)], dtype=torch.long))
             for span, cache in zip(self.spans, self.caches, strict=True):
-                hidden = span(hidden, start, cache)
+                hidden = span(hidden, start, cache, None if parents is None else list(parents))
             return hidden[0]
 
-    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
-        self._pending = await trio.to_thread.run_sync(self._run, tokens, start, commit)
+    async def submit(
+        self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+    ) -> None:
+        self._pending = await trio.to_thread.run_sync(self._run, tokens, start, commit, parents, keep)
 
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
         assert self._pending is not None, "collect() before submit()"

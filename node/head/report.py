@@ -43,7 +43,13 @@ class TimeBreakdown:
 
 @dataclass
 class GenerationResult:
-    """New tokens and the statistics `--json` reports (counters are exact, not derived from ratios)."""
+    """New tokens and the statistics `--json` reports (counters are exact, not derived from ratios).
+
+    `drafted` counts every drafted token sent for verification: all nodes of a tree window, so
+    `acceptance_rate` is the share of drafted tokens kept. `mean_tree_nodes` is the mean number of
+    drafted tokens per draft window (a chain's γ), `mean_window_depth` the mean positions they
+    reach (a tree's depth); trees were sent when `tree_windows` > 0.
+    """
 
     mode: str
     tokens: list[int]
@@ -57,6 +63,8 @@ class GenerationResult:
     windows_after_prefill: int = 0  # windows sent once the prompt was in
     ready_rounds: int = 0  # of those, windows that were pre-drafted during the previous trip
     branches_drafted: int = 0  # outcome branches advanced during trips (main guess included)
+    drafted_depth: int = 0  # positions drafted per window, summed (a chain's γ, a tree's depth)
+    tree_windows: int = 0  # draft windows sent as token trees
 
     @property
     def mean_accepted(self) -> float:
@@ -65,6 +73,16 @@ class GenerationResult:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        rounds = len(self.accepted_per_round)
+        return self.drafted / rounds if rounds else 0.0
+
+    @property
+    def mean_window_depth(self) -> float:
+        rounds = len(self.accepted_per_round)
+        return self.drafted_depth / rounds if rounds else 0.0
 
     @property
     def ready_share(self) -> float:
@@ -91,5 +109,8 @@ class GenerationResult:
             "ready_rounds": self.ready_rounds,
             "ready_share": round(self.ready_share, 4),
             "branches_drafted": self.branches_drafted,
+            "mean_tree_nodes": round(self.mean_tree_nodes, 4),
+            "mean_window_depth": round(self.mean_window_depth, 4),
+            "tree_windows": self.tree_windows,
             "time_breakdown": self.times.as_dict(),
         }

@@ -22,12 +22,40 @@ truncated-geometric MLE); θ = `useful_threshold` (0.05). R should be the time
 from sending a window to having its target logits (network + peers' compute).
 Before any observation γ = `initial` (clamped into the bounds); a fixed
 `gamma` overrides everything.
+
+Token trees (`plan_tree`, used when the head drafts a window on the critical path:
+in `sd`, and in `dsd` when no pre-drafted branch matched). A window may carry a
+tree of n drafted nodes instead of a chain (EAGLE-2 expansion, `tree.py`). The head
+measures r_k, the share of verified positions where the token the target emitted was
+the draft's k-th most likely token (k ≤ K = `tree_ranks`; positions with a draft
+distribution only: the accepted drafts and the correction; an EWMA per round with the
+same decay). Under an i.i.d. model a node reached from the root by the draft's
+choices of rank k1..kd is accepted with probability v = Π r_kj (Sequoia's positional
+acceptance), so the best tree of n nodes holds the n largest such values (best-first,
+depth ≤ depth_cap, only values ≥ θ), and
+
+    E_tree(n) = 1 + Σ_{i ≤ n} v_i         expected tokens per round (the chain's E(γ) when
+                                           only rank-1 nodes are used and r_1 = α)
+    T_tree(n) = R(n) + D(n)·ℓ              R as above for a window of n + 1 tokens; D(n) = the
+                                           depth of those nodes (batched draft layers); ℓ =
+                                           measured seconds per draft layer (d until measured)
+    n*        = argmax_{n ≤ cap} E_tree(n) / T_tree(n)
+
+A tree of n* nodes and depth D(n*) is sent when its rate beats the chain's,
+E(γ) / (R(γ) + γ·d) (both drafted after the trip), and its best shape is not a
+chain (it holds a node of rank ≥ 2). The prior of r puts all its weight on rank 1
+(α's prior) and on "beyond K", so trees appear only once the target has been seen
+choosing one of the draft's alternatives; before any round, and with a fixed
+`gamma`, windows are chains. A tree round updates α with its ranks (a success per
+rank-1 position) and the round-time fit with its n + 1 tokens.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 
 __all__ = ["WindowController"]
 
@@ -47,6 +75,7 @@ class WindowController:
         prior_alpha: float = 0.6,
         prior_weight: float = 4.0,
         useful_threshold: float = 0.05,
+        tree_ranks: int = 4,
     ) -> None:
         if not (isinstance(gamma_min, int) and isinstance(gamma_max, int) and 1 <= gamma_min <= gamma_max):
             raise ValueError(f"need integers 1 <= gamma_min <= gamma_max, got {gamma_min!r}, {gamma_max!r}")
@@ -60,6 +89,8 @@ class WindowController:
             raise ValueError("prior_alpha must be in [0, 1] and prior_weight >= 0")
         if not (0.0 < useful_threshold < 1.0):
             raise ValueError(f"useful_threshold must be in (0, 1), got {useful_threshold!r}")
+        if not isinstance(tree_ranks, int) or isinstance(tree_ranks, bool) or tree_ranks < 1:
+            raise ValueError(f"tree_ranks must be an integer >= 1, got {tree_ranks!r}")
         self.fixed = gamma
         self.gamma_min = gamma_min
         self.gamma_max = gamma_max
@@ -73,6 +104,9 @@ class WindowController:
         self._round_s: float | None = None
         self._rounds: deque[tuple[int, float]] = deque(maxlen=16)  # (window tokens, round seconds)
         self._ready: float | None = None  # EWMA of "the next window was pre-drafted" (dsd)
+        # Weighted counts of the target's token being the draft's k-th choice: [beyond K, rank 1, .., rank K].
+        self._ranks = [(1.0 - prior_alpha) * prior_weight, prior_alpha * prior_weight] + [0.0] * (tree_ranks - 1)
+        self._layer_s: float | None = None  # seconds per batched draft layer of a tree (EWMA)
 
     @property
     def alpha(self) -> float:
@@ -98,13 +132,18 @@ class WindowController:
             return float(gamma + 1)
         return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
-    def observe(self, *, gamma: int, accepted: int, draft_s_per_token: float, round_s: float) -> None:
-        """Record one verified window: γ drafted, `accepted` kept, and the measured times."""
+    def observe(
+        self, *, gamma: int, accepted: int, draft_s_per_token: float, round_s: float,
+        ranks: Sequence[int | None] | None = None,
+    ) -> None:
+        """Record one verified chain window: γ drafted, `accepted` kept, the measured times and (optional)
+        the ranks of the target's tokens in the draft's distributions (for `plan_tree`)."""
         if gamma < 0 or not 0 <= accepted <= gamma:
             raise ValueError(f"need 0 <= accepted <= gamma, got accepted={accepted}, gamma={gamma}")
         for name, v in (("draft_s_per_token", draft_s_per_token), ("round_s", round_s)):
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self._check_ranks(ranks or ())
         trials = accepted + (1 if accepted < gamma else 0)
         self._succ = self.decay * self._succ + accepted
         self._trials = self.decay * self._trials + trials
@@ -113,8 +152,52 @@ class WindowController:
             self._draft_s = draft_s_per_token if self._draft_s is None else (
                 self.decay * self._draft_s + w * draft_s_per_token
             )
+        self._observe_round(gamma + 1, round_s)
+        if ranks:
+            self._observe_ranks(ranks)
+
+    def observe_tree(self, *, nodes: int, ranks: Sequence[int | None], layer_s: float, round_s: float) -> None:
+        """Record one verified tree window of `nodes` drafted nodes: the ranks of the target's tokens at the
+        walk's positions (None: beyond K), seconds per batched draft layer and the round time."""
+        if nodes < 1:
+            raise ValueError(f"a tree window holds at least one node, got {nodes}")
+        for name, v in (("layer_s", layer_s), ("round_s", round_s)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self._check_ranks(ranks)
+        hits = sum(1 for r in ranks if r == 1)
+        self._succ = self.decay * self._succ + hits
+        self._trials = self.decay * self._trials + len(ranks)
+        w = 1.0 - self.decay
+        self._layer_s = layer_s if self._layer_s is None else self.decay * self._layer_s + w * layer_s
+        self._observe_round(nodes + 1, round_s)
+        if ranks:
+            self._observe_ranks(ranks)
+
+    def _observe_round(self, tokens: int, round_s: float) -> None:
+        w = 1.0 - self.decay
         self._round_s = round_s if self._round_s is None else self.decay * self._round_s + w * round_s
-        self._rounds.append((gamma + 1, round_s))
+        self._rounds.append((tokens, round_s))
+
+    @staticmethod
+    def _check_ranks(ranks: Sequence[int | None]) -> None:
+        for r in ranks:
+            if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+                raise ValueError(f"a rank is an integer >= 1 or None, got {r!r}")
+
+    def _observe_ranks(self, ranks: Sequence[int | None]) -> None:
+        """One round's ranks of the target's tokens in the draft's distributions (None: beyond K)."""
+        k_max = len(self._ranks) - 1
+        counts = [self.decay * c for c in self._ranks]
+        for r in ranks:
+            counts[r if r is not None and r <= k_max else 0] += 1.0
+        self._ranks = counts
+
+    @property
+    def rank_probs(self) -> list[float]:
+        """r_1..r_K: the smoothed share of positions where the target took the draft's k-th choice."""
+        total = sum(self._ranks)
+        return [c / total for c in self._ranks[1:]] if total > 0 else [0.0] * (len(self._ranks) - 1)
 
     def observe_ready(self, ready: bool) -> None:
         """Record whether the window after a trip was ready (a pre-drafted branch matched the verdict)."""
@@ -177,3 +260,49 @@ class WindowController:
             if rate > best_rate * (1.0 + 1e-9):
                 best_g, best_rate = g, rate
         return best_g
+
+    @staticmethod
+    def tree_values(ranks: Sequence[float], nodes: int, depth: int, floor: float = 0.0) -> list[tuple[float, int, bool]]:
+        """The `nodes` most valuable nodes of the static tree over rank probabilities r_1..r_K, best first:
+        (value = Π r along the path, depth, True when every step is a rank-1 choice); values < floor are left out."""
+        out: list[tuple[float, int, bool]] = []
+        heap: list[tuple[float, int, int, bool]] = []  # (-value, depth, tie, chain)
+        tie = 0
+
+        def push(value: float, d: int, chain: bool) -> None:
+            nonlocal tie
+            for k, r in enumerate(ranks, start=1):
+                v = value * r
+                if v > 0.0 and v >= floor and d <= depth:
+                    heapq.heappush(heap, (-v, d, tie, chain and k == 1))
+                    tie += 1
+
+        push(1.0, 1, True)
+        while heap and len(out) < nodes:
+            neg, d, _, chain = heapq.heappop(heap)
+            out.append((-neg, d, chain))
+            push(-neg, d + 1, chain)
+        return out
+
+    def plan_tree(self, gamma: int, *, cap: int, depth_cap: int) -> tuple[int, int]:
+        """(nodes, depth) of the next window as a token tree, or (0, 0) to send a chain of γ drafts."""
+        if self.fixed is not None or cap < 2 or depth_cap < 1 or gamma < 1:
+            return 0, 0
+        if self._round_s is None or self._draft_s is None:
+            return 0, 0
+        d = self._draft_s
+        layer = self._layer_s if self._layer_s is not None else d
+        t_chain = (self.expected_round_s(gamma) or 0.0) + gamma * d
+        chain_rate = self.expected_tokens(self.alpha, gamma) / t_chain if t_chain > 0 else float(gamma + 1)
+        best, best_rate, gain, deepest, branched = (0, 0), chain_rate, 1.0, 0, False
+        for n, (value, depth, chain) in enumerate(
+            self.tree_values(self.rank_probs, cap, depth_cap, self.useful_threshold), start=1
+        ):
+            gain += value
+            deepest = max(deepest, depth)
+            branched = branched or not chain
+            t = (self.expected_round_s(n) or 0.0) + deepest * layer
+            rate = gain / t if t > 0 else float(n + 1)
+            if branched and rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = (n, deepest), rate
+        return best

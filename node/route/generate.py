@@ -48,7 +48,7 @@ async def generate_once(
     blacklist: Blacklist | None = None,
 ) -> dict:
     """Generate once over a planned route (failing over when a peer fails); returns the `--json` report."""
-    max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
+    max_len = len(prompt) + cfg.max_new_tokens + cfg.max_window_nodes + 2  # a tree window's nodes all take KV rows
     async with open_route_keeper(
         node, legs, hops=hops, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire,
         blacklist=blacklist,
