@@ -31,126 +31,35 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
 
 import torch
 import trio
 
 from .adaptive import AdaptiveVerifier
-from .modes import MODES
-from .outcomes import Branch, bonus_alternatives, pick, plan_branches
+from .config import (
+    LOOKAHEAD,
+    TREE_CAP,
+    TREE_DEPTH_CAP,
+    Drafter,
+    GenerationConfig,
+    TargetBackend,
+)
+from .drafting import Bets, Draft, Drafting
+from .outcomes import (
+    Branch,
+    pick,
+    pick_after_tree,
+    plan_branches,
+    tree_branches,
+)
 from .report import GenerationResult, TimeBreakdown
 from .sampling import SamplingParams
-from .tree import MAX_POOL_NODES, MAX_TREE_NODES, DraftTree, expand_tree
+from .tree import DraftTree
 from .tree_verify import verify_tree
 from .verify import Decoder, find_stop, verify_window
 from .window import WindowController
 
 log = logging.getLogger(__name__)
-
-LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window size
-TREE_CAP = MAX_TREE_NODES - 1  # drafted nodes a tree window may carry: the wire's limit minus the root
-TREE_TOP_K = 4  # children per expanded node, and nodes expanded per layer (EAGLE-2's small-target setting)
-TREE_DEPTH_CAP = (MAX_POOL_NODES - TREE_TOP_K) // (TREE_TOP_K * TREE_TOP_K) + 1  # deepest pool that fits
-
-
-class TargetBackend(Protocol):
-    """Where the target model runs: a route of block peers, or federated workers."""
-
-    async def submit(
-        self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
-        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
-    ) -> None:
-        """Send a window at positions start.. after committing the last one: truncate to `commit`, or with
-        `keep` (commit = that window's start) keep its accepted path. `parents` makes the window a tree.
-        The engine passes `parents` and `keep` only to a backend with a true `supports_trees`."""
-        ...
-
-    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        """Target logits for the last `rows` positions of the submitted window, [rows, V].
-
-        A backend with a true `returns_probs` attribute returns probabilities instead, already
-        warped by whoever computed them (federated workers): see `HeadEngine`.
-        """
-        ...
-
-
-class Drafter(Protocol):
-    def propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor | None]: ...
-
-
-class TreeDrafter(Drafter, Protocol):
-    """A drafter that can grow token trees: next-token distributions of many contexts in one forward."""
-
-    def settle(self, context: Sequence[int]) -> None: ...
-
-    def dists_many(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What to generate and how."""
-
-    mode: str = "dsd"
-    max_new_tokens: int = 64
-    params: SamplingParams = field(default_factory=SamplingParams)
-    gamma: int | None = None  # fixed window size; None adapts
-    gamma_max: int = 16
-    tau_max: float = 0.3  # dsd-adaptive only; 0 is lossless
-    seed: int = 0
-    eos_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    result_timeout_s: float = 300.0
-    branches: int = 8  # dsd: outcome branches pre-drafted besides full acceptance (0 = only that guess)
-    alternatives: int = 2  # dsd: alternative tokens bet on per draft position
-    tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.branches < 0 or self.alternatives < 1:
-            raise ValueError("branches must be >= 0 and alternatives >= 1")
-        if self.tree_nodes is not None and (
-            isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int)
-            or not 0 <= self.tree_nodes <= TREE_CAP
-        ):
-            raise ValueError(f"tree_nodes must be None (auto) or an integer in [0, {TREE_CAP}], got {self.tree_nodes!r}")
-
-    @property
-    def max_window_nodes(self) -> int:
-        """The most drafted tokens one window may carry (a chain's γ_max or a tree's nodes): sizes a session."""
-        return max(self.gamma_max, TREE_CAP if self.tree_nodes is None else self.tree_nodes)
-
-
-@dataclass
-class _Draft:
-    """A window's drafts: a chain (`tree` None) or a token tree (tokens = tree.tokens, probs = its q rows)."""
-
-    tokens: list[int]
-    probs: list[torch.Tensor | None]
-    tree: DraftTree | None = None
-
-    def stacked_probs(self, skip: int = 0) -> torch.Tensor | None:
-        rows = self.probs[skip:]
-        if not rows or any(p is None for p in rows):
-            return None
-        return torch.stack([p for p in rows if p is not None])
-
-    @property
-    def depth(self) -> int:
-        """Positions the window reaches past its root (a chain's γ, a tree's depth)."""
-        return len(self.tokens) if self.tree is None else max(self.tree.depths(), default=0)
-
-    @property
-    def wire_parents(self) -> list[int] | None:
-        """The window's parents on the wire (root = node 0, tree node i = node i + 1); None for a chain,
-        and for a tree shaped like one (sent, and committed after, exactly as a chain)."""
-        if self.tree is None or all(p == i - 1 for i, p in enumerate(self.tree.parents)):
-            return None
-        return [-1, *(p + 1 for p in self.tree.parents)]
-
 
 @dataclass(frozen=True)
 class _Outcome:
@@ -161,15 +70,6 @@ class _Outcome:
     accepted: int
     path: list[int]
     full: bool
-
-
-@dataclass
-class _Bets:
-    """The branches pre-drafted during one trip and what drafting them cost (seconds per branch)."""
-
-    branches: list[Branch]
-    cost: dict[int, float]  # id(branch) -> hidden drafting seconds spent on it
-    hidden: bool  # False when the verdict arrived before the first step finished
 
 
 @dataclass
@@ -216,8 +116,7 @@ class HeadEngine:
         )
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.times = TimeBreakdown()
-        self._draft_token_s = 0.0
-        self._tree_layer_s = 0.0
+        self.drafting = Drafting(drafter, cfg, self.times)
         self.progress: list[int] = []  # new tokens so far (kept when generation fails midway)
         can_tree = hasattr(drafter, "dists_many") and hasattr(drafter, "settle") and bool(
             getattr(backend, "supports_trees", False)
@@ -231,58 +130,6 @@ class HeadEngine:
 
     # --- drafting ---------------------------------------------------------
 
-    def _propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor | None]:
-        assert self.drafter is not None
-        return self.drafter.propose(context, gamma)
-
-    def _step(self, contexts: list[list[int]]) -> list[tuple[int | None, torch.Tensor | None]]:
-        """One draft token after each context: batched when the drafter can, else one call each."""
-        assert self.drafter is not None
-        step_many = getattr(self.drafter, "step_many", None)
-        if step_many is not None:
-            return list(step_many(contexts))
-        out: list[tuple[int | None, torch.Tensor | None]] = []
-        for ctx in contexts:
-            toks, probs = self.drafter.propose(ctx, 1)
-            out.append((toks[0], None if probs is None else probs[0]) if toks else (None, None))
-        return out
-
-    async def _draft(self, context: list[int], gamma: int) -> _Draft:
-        """Draft `gamma` tokens after `context` on the critical path (after a trip, or in `sd`)."""
-        t0 = time.perf_counter()
-        toks, probs = await trio.to_thread.run_sync(self._propose, context, gamma)
-        dt = time.perf_counter() - t0
-        self.times.drafting += dt
-        if toks:
-            self._draft_token_s = dt / len(toks)
-        return _Draft(list(toks), list(probs) if probs is not None else [None] * len(toks))
-
-    def _expand(self, context: list[int], nodes: int, depth: int) -> tuple[DraftTree, int]:
-        """Grow a tree of at most `nodes` drafts after `context` (worker thread); returns it and the number
-        of batched draft forwards it took."""
-        drafter = cast(TreeDrafter, self.drafter)
-        drafter.settle(context[:-1])  # as propose does: keep the cached prefix, feed the last token again
-        root = drafter.dists_many([context])[0]
-        layers = 1
-
-        def step(tree: DraftTree, frontier: list[int]) -> torch.Tensor:
-            nonlocal layers
-            layers += 1
-            return drafter.dists_many([context + [tree.tokens[j] for j in tree.path(f)] for f in frontier])
-
-        tree = expand_tree(root, step, budget=nodes, depth=min(depth, TREE_DEPTH_CAP), top_k=TREE_TOP_K, keep_q=True)
-        return tree, layers
-
-    async def _draft_tree(self, context: list[int], nodes: int, depth: int) -> _Draft:
-        """Draft a token tree after `context` on the critical path."""
-        t0 = time.perf_counter()
-        tree, layers = await trio.to_thread.run_sync(self._expand, context, nodes, depth)
-        dt = time.perf_counter() - t0
-        self.times.drafting += dt
-        self._tree_layer_s = dt / layers
-        q = tree.q
-        return _Draft(list(tree.tokens), [None if q is None else q[i] for i in range(len(tree))], tree)
-
     def _tree_plan(self, gamma: int, produced: int) -> tuple[int, int]:
         """(nodes, depth) of the next window drafted after a trip as a tree, (0, 0) for a chain of γ."""
         if not self.trees or gamma < 1:
@@ -292,55 +139,12 @@ class HeadEngine:
         room = self.cfg.max_new_tokens - produced
         return self.window.plan_tree(gamma, cap=TREE_CAP, depth_cap=min(self.cfg.gamma_max, room, TREE_DEPTH_CAP))
 
-    def _branches(self, committed: list[int], drafts: _Draft) -> list[Branch]:
+    def _branches(self, committed: list[int], drafts: Draft) -> list[Branch]:
         """The outcome branches to pre-draft while this window flies."""
         if drafts.tree is None:
             return plan_branches(committed, drafts.tokens, drafts.probs, max_branches=self.cfg.branches,
                                  alternatives=self.cfg.alternatives)
         return tree_branches(committed, drafts.tree, max_branches=self.cfg.branches, alternatives=self.cfg.alternatives)
-
-    async def _predraft(self, branches: list[Branch], gamma: int, arrived: trio.Event, due: float | None) -> _Bets:
-        """While the window flies: advance every outcome branch one batched step at a time until the
-        verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
-
-        A batched step costs more than a single one, so when the steps still needed would run past
-        the trip's expected end (`due`, a perf_counter time), the least likely half of the other
-        branches is dropped: the main branch must be ready first."""
-        bets = _Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
-        dead: set[int] = set()
-        first = True
-        while True:
-            active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)]
-            if not active or (arrived.is_set() and not first):
-                break
-            t0 = time.perf_counter()
-            rows = await trio.to_thread.run_sync(self._step, [b.context for b in active])
-            dt = time.perf_counter() - t0
-            self.times.drafting += dt
-            if arrived.is_set():
-                bets.hidden = bets.hidden and not first
-            if due is not None and len(active) > 1:
-                left = max(gamma - len(b.tokens) + (b.root is None) for b in active) - 1
-                if time.perf_counter() + left * dt > due:
-                    others = sorted((b for b in active if not b.main), key=lambda b: b.value)
-                    dead.update(id(b) for b in others[: max(1, len(others) // 2)])
-            for b, (tok, q) in zip(active, rows, strict=True):
-                bets.cost[id(b)] += dt / len(active)
-                if tok is None:
-                    dead.add(id(b))
-                elif b.root is None:
-                    b.root, b.value = tok, b.value * (float(q[tok]) if q is not None else 1.0)
-                    if q is not None:
-                        extra = bonus_alternatives(b, q, room=self.cfg.branches + 1 - len(branches),
-                                                   alternatives=self.cfg.alternatives)
-                        branches.extend(extra)
-                        bets.cost.update({id(x): 0.0 for x in extra})
-                else:
-                    b.tokens.append(tok)
-                    b.probs.append(q)
-            self._draft_token_s = dt  # one batched step extends every branch by one token
-            first = False
-        return bets
 
     # --- the loop ---------------------------------------------------------
 
@@ -354,7 +158,7 @@ class HeadEngine:
         tally = _Tally()
         epoch, start, commit = 0, 0, 0
         keep: list[int] | None = None
-        window, drafts = list(prompt), _Draft([], [])
+        window, drafts = list(prompt), Draft([], [])
         while True:
             await self._submit(window, start, commit, epoch, drafts.wire_parents, keep)
             logits, bets, round_s = await self._trip(committed, drafts, epoch, len(new))
@@ -397,12 +201,12 @@ class HeadEngine:
             tree["keep"] = keep
         await self.backend.submit(window, start=start, commit=commit, epoch=epoch, **tree)
 
-    async def _trip(self, committed: list[int], drafts: _Draft, epoch: int, produced: int) -> tuple[torch.Tensor, _Bets | None, float]:
+    async def _trip(self, committed: list[int], drafts: Draft, epoch: int, produced: int) -> tuple[torch.Tensor, Bets | None, float]:
         """Wait for the window's target logits; in dsd, pre-draft the outcome branches meanwhile."""
         t_sent = time.perf_counter()
         rows = len(drafts.tokens) + 1
         gamma_next = self._next_gamma(produced + drafts.depth + 1)
-        bets: _Bets | None = None
+        bets: Bets | None = None
         if self.overlap and gamma_next > 0:
             arrived = trio.Event()
             box: list[torch.Tensor | Exception] = []
@@ -414,7 +218,7 @@ class HeadEngine:
                 # this round is observed, and a branch shorter than that would cut the next window short.
                 room = self.cfg.max_new_tokens - (produced + drafts.depth + 1)
                 ahead = max(gamma_next, min(gamma_next + LOOKAHEAD, self.cfg.gamma_max, room))
-                bets = await self._predraft(self._branches(committed, drafts), ahead, arrived, due)
+                bets = await self.drafting.predraft(self._branches(committed, drafts), ahead, arrived, due)
                 t_wait = time.perf_counter()
                 await arrived.wait()
                 self.times.waiting += time.perf_counter() - t_wait
@@ -427,7 +231,7 @@ class HeadEngine:
             self.times.waiting += time.perf_counter() - t_wait
         return logits, bets, time.perf_counter() - t_sent
 
-    def _count(self, tally: _Tally, drafts: _Draft, outcome: _Outcome, round_s: float) -> None:
+    def _count(self, tally: _Tally, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
@@ -438,37 +242,37 @@ class HeadEngine:
         tally.depth += drafts.depth
         ranks = _ranks(drafts, outcome) if self.trees else []
         if drafts.tree is None:
-            self.window.observe(gamma=n, accepted=k, draft_s_per_token=self._draft_token_s or 1e-3, round_s=round_s,
+            self.window.observe(gamma=n, accepted=k, draft_s_per_token=self.drafting.draft_token_s or 1e-3, round_s=round_s,
                                 ranks=ranks)
         else:
             tally.tree_windows += int(drafts.wire_parents is not None)
-            self.window.observe_tree(nodes=n, ranks=ranks, layer_s=self._tree_layer_s, round_s=round_s)
+            self.window.observe_tree(nodes=n, ranks=ranks, layer_s=self.drafting.tree_layer_s, round_s=round_s)
 
-    async def _next_window(self, committed: list[int], sent: _Draft, outcome: _Outcome, bets: _Bets | None,
-                           tally: _Tally, produced: int) -> _Draft:
+    async def _next_window(self, committed: list[int], sent: Draft, outcome: _Outcome, bets: Bets | None,
+                           tally: _Tally, produced: int) -> Draft:
         """The next window's drafts: the branch that bet on this outcome if one did, else drafted now."""
         gamma_next = self._next_gamma(produced + 1)
         tally.windows_after_prefill += 1
-        drafts = _Draft([], [])
+        drafts = Draft([], [])
         chosen = None
         if bets is not None:
             k = outcome.accepted
-            chosen = pick(bets.branches, k, committed[-1]) if sent.tree is None else _pick_after_tree(bets.branches, k, committed)
+            chosen = pick(bets.branches, k, committed[-1]) if sent.tree is None else pick_after_tree(bets.branches, k, committed)
             tally.branches += len(bets.branches)
             spent = sum(bets.cost.values())
             used = bets.cost[id(chosen)] if chosen is not None and bets.hidden else 0.0
             self.times.drafting_hidden_used += used
             self.times.drafting_hidden_wasted += spent - used if bets.hidden else 0.0
         if chosen is not None and gamma_next > 0:
-            drafts = _Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])
+            drafts = Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])
             tally.ready += 1
         self.window.observe_ready(chosen is not None)
         if not drafts.tokens and gamma_next > 0:
             nodes, depth = self._tree_plan(gamma_next, produced + 1)
             if nodes:
-                drafts = await self._draft_tree(committed, nodes, depth)
+                drafts = await self.drafting.draft_tree(committed, nodes, depth)
             else:
-                drafts = await self._draft(committed, gamma_next)
+                drafts = await self.drafting.draft(committed, gamma_next)
         settle = getattr(self.drafter, "settle", None)
         if settle is not None and bets is not None and drafts.tree is None:
             settle(committed + drafts.tokens)  # drop the other branches from the draft's cache
@@ -490,7 +294,7 @@ class HeadEngine:
         room = self.cfg.max_new_tokens - produced_after_window
         return max(0, min(self.window.next_gamma(), room))
 
-    def _verify(self, logits: torch.Tensor, drafts: _Draft) -> _Outcome:
+    def _verify(self, logits: torch.Tensor, drafts: Draft) -> _Outcome:
         if self.returns_probs:
             logits = torch.log(logits)
         if drafts.tree is not None:
@@ -539,7 +343,7 @@ def _rank(q: torch.Tensor | None, token: int) -> int | None:
     return 1 + int((q > p).sum()) if p > 0.0 else None
 
 
-def _ranks(drafts: _Draft, outcome: _Outcome) -> list[int | None]:
+def _ranks(drafts: Draft, outcome: _Outcome) -> list[int | None]:
     """Ranks of the tokens the target emitted in the draft distributions they were checked against: every
     accepted draft, and the correction (the bonus after a leaf had no draft distribution)."""
     if drafts.tree is None:
@@ -553,49 +357,3 @@ def _ranks(drafts: _Draft, outcome: _Outcome) -> list[int | None]:
         kids = tree.children_of(outcome.path[-1] if outcome.path else -1)
         out.append(_rank(tree.q[kids[0]], outcome.tokens[-1]))
     return out
-
-
-def _pick_after_tree(branches: Sequence[Branch], k: int, committed: list[int]) -> Branch | None:
-    """The branch that bet on a tree's outcome: the same k accepted nodes (as tokens) and the same next token."""
-    path = committed[len(committed) - 1 - k : -1]
-    for b in branches:
-        if b.tokens and b.k == k and b.root == committed[-1] and b.prefix[len(b.prefix) - k :] == path:
-            return b
-    return None
-
-
-def tree_branches(committed: Sequence[int], tree: DraftTree, *, max_branches: int, alternatives: int = 2) -> list[Branch]:
-    """Outcome branches of a tree window in flight, the likeliest first (at most max_branches + 1).
-
-    A node's value is the product of the draft's probabilities along its path (≈ the chance it is
-    accepted, EAGLE-2 §3.2). A leaf fully accepted is worth its value, with the bonus token guessed by
-    the branch's first draft step (as the main branch of a chain); a rejection below a node with
-    children is worth value · q(a) for the draft's best tokens a outside its children (children
-    themselves are outcomes deeper in the tree). The likeliest outcome is the `main` branch.
-    """
-    committed = list(committed)
-    q = tree.q
-    if q is None:
-        return []
-    value: list[float] = []
-    for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True)):
-        value.append((1.0 if p < 0 else value[p]) * float(q[i][t]))
-    bets: list[Branch] = []
-    for node in range(-1, len(tree)):
-        path = tree.path(node)
-        prefix = committed + [tree.tokens[j] for j in path]
-        v = 1.0 if node < 0 else value[node]
-        kids = tree.children_of(node)
-        if not kids:
-            bets.append(Branch(prefix, len(path), None, v))
-            continue
-        taken = {tree.tokens[c] for c in kids}
-        row = q[kids[0]]
-        top = torch.topk(row, min(alternatives + len(kids), row.numel()))
-        alts = [(p, t) for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True) if t not in taken and p > 0]
-        bets.extend(Branch(list(prefix), len(path), int(t), v * p) for p, t in alts[:alternatives])
-    bets.sort(key=lambda b: -b.value)
-    bets = bets[: max(0, max_branches) + 1]
-    if bets:
-        bets[0].main = True
-    return bets

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tree import DraftTree
+
 
 @dataclass
 class Branch:
@@ -94,3 +96,49 @@ def pick(branches: Sequence[Branch], k: int, token: int) -> Branch | None:
         if b.matches(k, token) and b.tokens:
             return b
     return None
+
+
+def pick_after_tree(branches: Sequence[Branch], k: int, committed: list[int]) -> Branch | None:
+    """The branch that bet on a tree's outcome: the same k accepted nodes (as tokens) and the same next token."""
+    path = committed[len(committed) - 1 - k : -1]
+    for b in branches:
+        if b.tokens and b.k == k and b.root == committed[-1] and b.prefix[len(b.prefix) - k :] == path:
+            return b
+    return None
+
+
+def tree_branches(committed: Sequence[int], tree: DraftTree, *, max_branches: int, alternatives: int = 2) -> list[Branch]:
+    """Outcome branches of a tree window in flight, the likeliest first (at most max_branches + 1).
+
+    A node's value is the product of the draft's probabilities along its path (≈ the chance it is
+    accepted, EAGLE-2 §3.2). A leaf fully accepted is worth its value, with the bonus token guessed by
+    the branch's first draft step (as the main branch of a chain); a rejection below a node with
+    children is worth value · q(a) for the draft's best tokens a outside its children (children
+    themselves are outcomes deeper in the tree). The likeliest outcome is the `main` branch.
+    """
+    committed = list(committed)
+    q = tree.q
+    if q is None:
+        return []
+    value: list[float] = []
+    for i, (p, t) in enumerate(zip(tree.parents, tree.tokens, strict=True)):
+        value.append((1.0 if p < 0 else value[p]) * float(q[i][t]))
+    bets: list[Branch] = []
+    for node in range(-1, len(tree)):
+        path = tree.path(node)
+        prefix = committed + [tree.tokens[j] for j in path]
+        v = 1.0 if node < 0 else value[node]
+        kids = tree.children_of(node)
+        if not kids:
+            bets.append(Branch(prefix, len(path), None, v))
+            continue
+        taken = {tree.tokens[c] for c in kids}
+        row = q[kids[0]]
+        top = torch.topk(row, min(alternatives + len(kids), row.numel()))
+        alts = [(p, t) for p, t in zip(top.values.tolist(), top.indices.tolist(), strict=True) if t not in taken and p > 0]
+        bets.extend(Branch(list(prefix), len(path), int(t), v * p) for p, t in alts[:alternatives])
+    bets.sort(key=lambda b: -b.value)
+    bets = bets[: max(0, max_branches) + 1]
+    if bets:
+        bets[0].main = True
+    return bets

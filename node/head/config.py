@@ -1,0 +1,89 @@
+"""What the head engine is configured with and what it drives: generation settings, the backend and
+drafter interfaces, and the window limits they share."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .modes import MODES
+from .sampling import SamplingParams
+from .tree import MAX_POOL_NODES, MAX_TREE_NODES
+
+LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window size
+TREE_CAP = MAX_TREE_NODES - 1  # drafted nodes a tree window may carry: the wire's limit minus the root
+TREE_TOP_K = 4  # children per expanded node, and nodes expanded per layer (EAGLE-2's small-target setting)
+TREE_DEPTH_CAP = (MAX_POOL_NODES - TREE_TOP_K) // (TREE_TOP_K * TREE_TOP_K) + 1  # deepest pool that fits
+
+
+class TargetBackend(Protocol):
+    """Where the target model runs: a route of block peers, or federated workers."""
+
+    async def submit(
+        self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+    ) -> None:
+        """Send a window at positions start.. after committing the last one: truncate to `commit`, or with
+        `keep` (commit = that window's start) keep its accepted path. `parents` makes the window a tree.
+        The engine passes `parents` and `keep` only to a backend with a true `supports_trees`."""
+        ...
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        """Target logits for the last `rows` positions of the submitted window, [rows, V].
+
+        A backend with a true `returns_probs` attribute returns probabilities instead, already
+        warped by whoever computed them (federated workers): see `HeadEngine`.
+        """
+        ...
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor | None]: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can grow token trees: next-token distributions of many contexts in one forward."""
+
+    def settle(self, context: Sequence[int]) -> None: ...
+
+    def dists_many(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how."""
+
+    mode: str = "dsd"
+    max_new_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams)
+    gamma: int | None = None  # fixed window size; None adapts
+    gamma_max: int = 16
+    tau_max: float = 0.3  # dsd-adaptive only; 0 is lossless
+    seed: int = 0
+    eos_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    result_timeout_s: float = 300.0
+    branches: int = 8  # dsd: outcome branches pre-drafted besides full acceptance (0 = only that guess)
+    alternatives: int = 2  # dsd: alternative tokens bet on per draft position
+    tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.branches < 0 or self.alternatives < 1:
+            raise ValueError("branches must be >= 0 and alternatives >= 1")
+        if self.tree_nodes is not None and (
+            isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int)
+            or not 0 <= self.tree_nodes <= TREE_CAP
+        ):
+            raise ValueError(f"tree_nodes must be None (auto) or an integer in [0, {TREE_CAP}], got {self.tree_nodes!r}")
+
+    @property
+    def max_window_nodes(self) -> int:
+        """The most drafted tokens one window may carry (a chain's γ_max or a tree's nodes): sizes a session."""
+        return max(self.gamma_max, TREE_CAP if self.tree_nodes is None else self.tree_nodes)

@@ -1,0 +1,161 @@
+"""Drafting for the head: chains and token trees on the critical path, and outcome branches while a
+window is in flight (`predraft`), with the time each costs kept in the engine's `TimeBreakdown`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import trio
+
+from .config import TREE_DEPTH_CAP, TREE_TOP_K, Drafter, GenerationConfig, TreeDrafter
+from .outcomes import Branch, bonus_alternatives
+from .report import TimeBreakdown
+from .tree import DraftTree, expand_tree
+
+
+@dataclass
+class Draft:
+    """A window's drafts: a chain (`tree` None) or a token tree (tokens = tree.tokens, probs = its q rows)."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor | None]
+    tree: DraftTree | None = None
+
+    def stacked_probs(self, skip: int = 0) -> torch.Tensor | None:
+        rows = self.probs[skip:]
+        if not rows or any(p is None for p in rows):
+            return None
+        return torch.stack([p for p in rows if p is not None])
+
+    @property
+    def depth(self) -> int:
+        """Positions the window reaches past its root (a chain's γ, a tree's depth)."""
+        return len(self.tokens) if self.tree is None else max(self.tree.depths(), default=0)
+
+    @property
+    def wire_parents(self) -> list[int] | None:
+        """The window's parents on the wire (root = node 0, tree node i = node i + 1); None for a chain,
+        and for a tree shaped like one (sent, and committed after, exactly as a chain)."""
+        if self.tree is None or all(p == i - 1 for i, p in enumerate(self.tree.parents)):
+            return None
+        return [-1, *(p + 1 for p in self.tree.parents)]
+
+
+@dataclass
+class Bets:
+    """The branches pre-drafted during one trip and what drafting them cost (seconds per branch)."""
+
+    branches: list[Branch]
+    cost: dict[int, float]  # id(branch) -> hidden drafting seconds spent on it
+    hidden: bool  # False when the verdict arrived before the first step finished
+
+
+class Drafting:
+    """The head's drafter at work: what it drafts, batched how, and what that costs."""
+
+    def __init__(self, drafter: Drafter | None, cfg: GenerationConfig, times: TimeBreakdown) -> None:
+        self.drafter = drafter
+        self.cfg = cfg
+        self.times = times
+        self.draft_token_s = 0.0  # last measured seconds per drafted token (or per batched branch step)
+        self.tree_layer_s = 0.0  # last measured seconds per drafted tree layer
+
+    def _propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor | None]:
+        assert self.drafter is not None
+        return self.drafter.propose(context, gamma)
+
+    def _step(self, contexts: list[list[int]]) -> list[tuple[int | None, torch.Tensor | None]]:
+        """One draft token after each context: batched when the drafter can, else one call each."""
+        assert self.drafter is not None
+        step_many = getattr(self.drafter, "step_many", None)
+        if step_many is not None:
+            return list(step_many(contexts))
+        out: list[tuple[int | None, torch.Tensor | None]] = []
+        for ctx in contexts:
+            toks, probs = self.drafter.propose(ctx, 1)
+            out.append((toks[0], None if probs is None else probs[0]) if toks else (None, None))
+        return out
+
+    async def draft(self, context: list[int], gamma: int) -> Draft:
+        """Draft `gamma` tokens after `context` on the critical path (after a trip, or in `sd`)."""
+        t0 = time.perf_counter()
+        toks, probs = await trio.to_thread.run_sync(self._propose, context, gamma)
+        dt = time.perf_counter() - t0
+        self.times.drafting += dt
+        if toks:
+            self.draft_token_s = dt / len(toks)
+        return Draft(list(toks), list(probs) if probs is not None else [None] * len(toks))
+
+    def _expand(self, context: list[int], nodes: int, depth: int) -> tuple[DraftTree, int]:
+        """Grow a tree of at most `nodes` drafts after `context` (worker thread); returns it and the number
+        of batched draft forwards it took."""
+        drafter = cast(TreeDrafter, self.drafter)
+        drafter.settle(context[:-1])  # as propose does: keep the cached prefix, feed the last token again
+        root = drafter.dists_many([context])[0]
+        layers = 1
+
+        def step(tree: DraftTree, frontier: list[int]) -> torch.Tensor:
+            nonlocal layers
+            layers += 1
+            return drafter.dists_many([context + [tree.tokens[j] for j in tree.path(f)] for f in frontier])
+
+        tree = expand_tree(root, step, budget=nodes, depth=min(depth, TREE_DEPTH_CAP), top_k=TREE_TOP_K, keep_q=True)
+        return tree, layers
+
+    async def draft_tree(self, context: list[int], nodes: int, depth: int) -> Draft:
+        """Draft a token tree after `context` on the critical path."""
+        t0 = time.perf_counter()
+        tree, layers = await trio.to_thread.run_sync(self._expand, context, nodes, depth)
+        dt = time.perf_counter() - t0
+        self.times.drafting += dt
+        self.tree_layer_s = dt / layers
+        q = tree.q
+        return Draft(list(tree.tokens), [None if q is None else q[i] for i in range(len(tree))], tree)
+
+    async def predraft(self, branches: list[Branch], gamma: int, arrived: trio.Event, due: float | None) -> Bets:
+        """While the window flies: advance every outcome branch one batched step at a time until the
+        verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
+
+        A batched step costs more than a single one, so when the steps still needed would run past
+        the trip's expected end (`due`, a perf_counter time), the least likely half of the other
+        branches is dropped: the main branch must be ready first."""
+        bets = Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
+        dead: set[int] = set()
+        first = True
+        while True:
+            active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)]
+            if not active or (arrived.is_set() and not first):
+                break
+            t0 = time.perf_counter()
+            rows = await trio.to_thread.run_sync(self._step, [b.context for b in active])
+            dt = time.perf_counter() - t0
+            self.times.drafting += dt
+            if arrived.is_set():
+                bets.hidden = bets.hidden and not first
+            if due is not None and len(active) > 1:
+                left = max(gamma - len(b.tokens) + (b.root is None) for b in active) - 1
+                if time.perf_counter() + left * dt > due:
+                    others = sorted((b for b in active if not b.main), key=lambda b: b.value)
+                    dead.update(id(b) for b in others[: max(1, len(others) // 2)])
+            for b, (tok, q) in zip(active, rows, strict=True):
+                bets.cost[id(b)] += dt / len(active)
+                if tok is None:
+                    dead.add(id(b))
+                elif b.root is None:
+                    b.root, b.value = tok, b.value * (float(q[tok]) if q is not None else 1.0)
+                    if q is not None:
+                        extra = bonus_alternatives(b, q, room=self.cfg.branches + 1 - len(branches),
+                                                   alternatives=self.cfg.alternatives)
+                        branches.extend(extra)
+                        bets.cost.update({id(x): 0.0 for x in extra})
+                else:
+                    b.tokens.append(tok)
+                    b.probs.append(q)
+            self.draft_token_s = dt  # one batched step extends every branch by one token
+            first = False
+        return bets
+
