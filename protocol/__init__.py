@@ -5,6 +5,7 @@ No sockets, no event loop, no model code.
 """
 
 from .errors import ProtocolError, SessionRuleError
+from .federated import DraftWindow, TopKResult
 from .framing import FrameDecoder, decode_body, encode
 from .limits import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits, check_version, parse_version
 from .messages import (
@@ -12,7 +13,6 @@ from .messages import (
     MESSAGE_TYPES,
     Ack,
     CloseSession,
-    DraftWindow,
     Error,
     Forward,
     Hello,
@@ -22,7 +22,6 @@ from .messages import (
     Ping,
     Pong,
     Result,
-    TopKResult,
     Truncate,
 )
 from .records import RECORDS_LIMITS, RecordsFound, RecordsGet, RecordsPut, RecordsStored
