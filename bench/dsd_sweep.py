@@ -56,8 +56,8 @@ from sweep_setup import (
     measure_step_table,
 )
 
-# HumanEval's usual stop sequences: a new top-level block ends the completion.
-HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+from dsd.node.testnet.workload import HUMANEVAL_STOPS
+
 # Fixed before any run: 10 problems spread evenly over HumanEval's 164 (i·164/10, rounded down).
 PROBLEMS = (0, 16, 32, 49, 65, 82, 98, 114, 131, 147)
 # Held out for calibrating the draft's acceptance (never benchmarked).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from .models import prepare_with_progress
@@ -17,10 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft store or ngram (default: the prepared 0.5B)")
     p.add_argument("--peers", type=int, default=4, help="block peers (default 4)")
     p.add_argument("--ratio", type=float, default=5.0, help="t1/t0: one-way link latency in units of one peer's step (default 5)")
-    p.add_argument("--problem", type=int, default=2, help="HumanEval problem index (default 2)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--problem", type=int, default=0, help="HumanEval problem index (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens; HumanEval's stop strings end it earlier")
     p.add_argument("--state", type=Path, default=Path(".dsd/demo"), help="testnet state directory (default .dsd/demo)")
     p.add_argument("--modes", default="ar,dsd", help="comma-separated modes to compare (default ar,dsd)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="int8", help="the draft's quantization (default int8: 4.9x faster steps, same acceptance in bench/draft_quant.py)")
+    p.add_argument("--results", type=Path, default=None, help="where to write the result JSON (default bench/results/demo-DATE.json)")
     p.add_argument("--json", action="store_true", help="also print the reports as one JSON object")
     p.set_defaults(func=cmd_demo)
 
@@ -43,8 +46,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         target, draft = args.target, args.draft or "ngram"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    result = run_demo(DemoSpec(target=target, draft=draft, state=args.state, peers=args.peers, ratio=args.ratio,
-                               problem=args.problem, max_new_tokens=args.max_new_tokens, modes=modes), say)
+    spec = DemoSpec(target=target, draft=draft, state=args.state, peers=args.peers, ratio=args.ratio,
+                    problem=args.problem, max_new_tokens=args.max_new_tokens, modes=modes, draft_quant=args.draft_quant)
+    result = run_demo(spec, say)
+    out = args.results or Path("bench/results") / f"demo-{time.strftime('%Y-%m-%d')}.json"
+    result.save(out, spec)
+    say(f"result written to {out}")
     base = result.reports.get("ar")
     say("== result")
     for mode, r in result.reports.items():

