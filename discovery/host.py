@@ -76,6 +76,9 @@ REQUEST_TIMEOUT_S = 3.0
 # A Kademlia lookup that has not finished by then falls back to the routing table's closest peers
 # (py-libp2p waits up to 10 s on each unresponsive peer it queries).
 LOOKUP_TIMEOUT_S = 4.0
+# A get asks the routing table's closest peers at once (and those a lookup finds); once one answer
+# holds records, the others get this long, or as long again as the first took, whichever is more.
+GET_GRACE_S = 0.5
 CLOSE_TIMEOUT_S = 2.0
 MAINTENANCE_INTERVAL_S = 15.0
 STORE_GC_INTERVAL_S = 1.0
@@ -191,7 +194,7 @@ class P2PNode:
         for pid, handler in self._handlers.items():
             self._install(pid, handler)
         if self.bootstrap:
-            reached = await self.join()
+            reached = await self.join(refresh=False)  # the table is refreshed in the background (`_maintain`)
             if not reached and self.require_bootstrap:
                 raise ConnectionError(f"no bootstrap peer reachable: {', '.join(self.bootstrap)}")
 
@@ -212,8 +215,8 @@ class P2PNode:
 
     # --- joining the DHT -------------------------------------------------------
 
-    async def join(self) -> int:
-        """Connect to the bootstrap peers, add them to the routing table, then look ourselves up.
+    async def join(self, refresh: bool = True) -> int:
+        """Connect to the bootstrap peers, add them to the routing table, then (`refresh`) look ourselves up.
 
         The self-lookup makes the bootstrap peers add us to their tables and returns the
         peers near us, which we add to ours. Returns how many bootstrap peers answered.
@@ -233,7 +236,7 @@ class P2PNode:
                 log.warning("bootstrap %s: no answer within %.0f s", addr, CONNECT_TIMEOUT_S)
             except Exception as exc:
                 log.warning("bootstrap %s unreachable: %r", addr, exc)
-        if reached:
+        if reached and refresh:
             await self._refresh_table()
         return reached
 
@@ -246,8 +249,11 @@ class P2PNode:
                     await self.dht.add_peer(pid, skip_server_mode_check=True)
 
     async def _maintain(self) -> None:
-        """Expire stored records often; rejoin if the routing table emptied; refresh it now and then."""
-        last_refresh = trio.current_time()
+        """Expire stored records often; rejoin if the routing table emptied; refresh it at once, then now and then.
+
+        The first refresh runs here, not in `join`, so a start never waits on unresponsive DHT nodes.
+        """
+        last_refresh = -MAINTENANCE_INTERVAL_S
         while True:
             await trio.sleep(STORE_GC_INTERVAL_S)
             self.store.expire()
@@ -352,6 +358,10 @@ class P2PNode:
             return None
         return reply
 
+    async def forget_peer(self, peer_id: str) -> None:
+        """Drop a peer found unresponsive from the routing table and close its connections (best effort)."""
+        await self._forget(ID.from_base58(peer_id))
+
     async def _forget(self, peer: ID) -> None:
         """Drop an unresponsive peer from the routing table and close its connections."""
         if self.dht is not None:
@@ -387,18 +397,52 @@ class P2PNode:
         return count[0]
 
     async def get_records(self, key: bytes) -> list[bytes]:
-        """Every signed record under `key` held here or by the closest nodes (unverified, deduplicated)."""
+        """Every signed record under `key` held here or by the closest nodes (unverified, deduplicated).
+
+        The routing table's closest nodes are asked at once and those a Kademlia lookup finds as it
+        finds them; once one answer holds records, the rest get `GET_GRACE_S` or as long as that
+        answer took (whichever is more), so an unresponsive node never holds the answer up.
+        """
+        assert self.dht is not None
         request = RecordsGet(key)
         blobs: dict[bytes, None] = dict.fromkeys(self.store.get(request.key))
+        me = ID.from_base58(self.peer_id)
+        asked: set[ID] = {me}
+        t0 = trio.current_time()
+        answered = trio.Event()
 
         async def one(peer: ID) -> None:
             reply = await self._request(peer, request, RecordsFound)
-            if reply is not None:
+            if reply is not None and reply.records:
                 blobs.update(dict.fromkeys(reply.records))
+                answered.set()
+
+        def ask(peers: Sequence[ID], nursery: trio.Nursery) -> None:
+            for peer in peers[:REPLICATION]:
+                if peer not in asked:
+                    asked.add(peer)
+                    nursery.start_soon(one, peer)
+
+        async def lookup(nursery: trio.Nursery) -> None:
+            assert self.dht is not None
+            with trio.move_on_after(LOOKUP_TIMEOUT_S):
+                ask(await self.dht.peer_routing.find_closest_peers_network(request.key, REPLICATION), nursery)
+
+        async def everyone(outer: trio.CancelScope) -> None:
+            assert self.dht is not None
+            async with trio.open_nursery() as nursery:
+                ask(self.dht.routing_table.find_local_closest_peers(request.key, REPLICATION), nursery)
+                nursery.start_soon(lookup, nursery)
+            outer.cancel()
+
+        async def cutoff(outer: trio.CancelScope) -> None:
+            await answered.wait()
+            await trio.sleep(max(GET_GRACE_S, trio.current_time() - t0))
+            outer.cancel()
 
         async with trio.open_nursery() as nursery:
-            for peer in await self._closest(request.key):
-                nursery.start_soon(one, peer)
+            nursery.start_soon(everyone, nursery.cancel_scope)
+            nursery.start_soon(cutoff, nursery.cancel_scope)
         return list(blobs)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -45,8 +45,12 @@ async def measure_rtt(
     samples: int = 3,
     timeout: float = 5.0,
     payload: bytes = b"",
+    on_sample: Callable[[float], None] | None = None,
 ) -> float:
-    """Median round-trip time in seconds of `samples` pings (after connecting); TimeoutError past `timeout`."""
+    """Median round-trip time in seconds of `samples` pings (after connecting); TimeoutError past `timeout`.
+
+    `on_sample` sees each round trip as it is measured (a caller cutting probes short keeps those).
+    """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     times: list[float] = []
@@ -61,6 +65,8 @@ async def measure_rtt(
                 if not isinstance(reply, Pong) or reply.nonce != nonce:
                     raise ProtocolError(f"{peer_id} answered a ping with a wrong reply", "nonce")
                 times.append(trio.current_time() - t0)
+                if on_sample is not None:
+                    on_sample(times[-1])
         finally:
             await stream.close()
     return statistics.median(times)

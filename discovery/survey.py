@@ -7,7 +7,8 @@ Shared by `dsd-node route`, `testnet up` (to know the swarm is complete) and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import statistics
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import trio
@@ -75,35 +76,91 @@ class SwarmView:
         }
 
 
-async def probe_rtts(node: P2PNode, records: Iterable[PeerRecord], timeout_s: float = 5.0) -> dict[str, float | None]:
-    """Median RTT to every distinct peer, probed in parallel; None for a peer that did not answer."""
+# Probes stop this long after they started, or `PROBE_SLACK` times as long as the first pong took,
+# whichever is later (once the peers measured are `enough`; never after the timeout): a frozen
+# candidate is not waited for.
+PROBE_MIN_WAIT_S = 1.5
+PROBE_SLACK = 4.0
+
+
+async def probe_rtts(
+    node: P2PNode,
+    records: Iterable[PeerRecord],
+    timeout_s: float = 5.0,
+    *,
+    min_wait_s: float = PROBE_MIN_WAIT_S,
+    slack: float = PROBE_SLACK,
+    enough: Callable[[Mapping[str, float | None]], bool] | None = None,
+) -> dict[str, float | None]:
+    """Median RTT to every distinct peer, probed in parallel; None for a peer that did not answer.
+
+    Probing ends when every peer is measured, or at max(`min_wait_s`, `slack` × the time the first
+    pong took) after the start once `enough(rtts so far)` holds (a complete route, say), and in any
+    case at `timeout_s`; a peer cut short keeps the median of the pongs it sent by then.
+    """
     peers = {rec.peer_id: rec for rec in records}
-    rtts: dict[str, float | None] = {}
+    samples: dict[str, list[float]] = {pid: [] for pid in peers}
+    t0 = trio.current_time()
+    pong = [trio.Event()]  # set (and replaced) at every pong
+
+    def measured() -> dict[str, float | None]:
+        return {pid: statistics.median(ts) if ts else None for pid, ts in samples.items()}
 
     async def one(rec: PeerRecord) -> None:
-        try:
-            rtts[rec.peer_id] = await measure_rtt(node, rec.peer_id, rec.addrs, timeout=timeout_s)
-        except Exception as exc:  # unreachable, reset, timeout
-            log.info("ping %s failed: %r", rec.peer_id, exc)
-            rtts[rec.peer_id] = None
+        def seen(rtt: float) -> None:
+            samples[rec.peer_id].append(rtt)
+            pong[0].set()
+            pong[0] = trio.Event()
 
-    async with trio.open_nursery() as nursery:
-        for rec in peers.values():
-            nursery.start_soon(one, rec)
+        try:
+            await measure_rtt(node, rec.peer_id, rec.addrs, timeout=timeout_s, on_sample=seen)
+        except Exception as exc:  # unreachable, reset, timeout, a wrong pong
+            log.info("ping %s failed: %r", rec.peer_id, exc)
+            samples[rec.peer_id].clear()
+
+    async def every(outer: trio.CancelScope) -> None:
+        async with trio.open_nursery() as nursery:
+            for rec in peers.values():
+                nursery.start_soon(one, rec)
+        outer.cancel()
+
+    async def cutoff(outer: trio.CancelScope) -> None:
+        await pong[0].wait()
+        await trio.sleep_until(t0 + max(min_wait_s, slack * (trio.current_time() - t0)))
+        while enough is not None and not enough(measured()):
+            await pong[0].wait()
+        outer.cancel()
+
+    with trio.move_on_after(timeout_s):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(every, nursery.cancel_scope)
+            nursery.start_soon(cutoff, nursery.cancel_scope)
+    rtts = measured()
+    missing = [pid[-8:] for pid, rtt in rtts.items() if rtt is None]
+    if missing:
+        log.info("no RTT from %s within %.2f s", ", ".join(missing), trio.current_time() - t0)
     return rtts
 
 
 async def survey(
     node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] = (), role: str = "block"
 ) -> SwarmView:
-    """Fetch, probe and plan once."""
+    """Fetch, probe and plan once; blacklisted peers are neither probed nor planned over."""
+    banned = set(blacklist)
     records = [r for r in await fetch_records(node, model, num_layers) if r.role == role]
     view = SwarmView(records)
-    view.rtts = await probe_rtts(node, records)
+    candidates = [r for r in records if r.peer_id not in banned]
+
+    def complete(rtts: Mapping[str, float | None]) -> bool:
+        """Do the peers measured so far cover every layer (or is no route possible anyway)?"""
+        cover = SwarmView([r for r in candidates if rtts.get(r.peer_id) is not None]).coverage(num_layers)
+        return all(cover) or not all(SwarmView(candidates).coverage(num_layers))
+
+    view.rtts = await probe_rtts(node, candidates, enough=complete)
     reachable = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
-    live = [r for r in records if r.peer_id in reachable]
+    live = [r for r in records if r.peer_id in reachable or r.peer_id in banned]  # the planner says why not these
     try:
-        view.plan = plan_route(live, reachable, num_layers, blacklist=set(blacklist))
+        view.plan = plan_route(live, reachable, num_layers, blacklist=banned)
     except NoRouteError as exc:
         view.error = exc
     return view

@@ -1,6 +1,7 @@
 """Server side (`FederatedBackend`, a `TargetBackend` with `returns_probs = True`): broadcasts
 each window to every active worker in parallel, waits until every one answered or the
-window's deadline passed, rebuilds each distribution (renormalize | residual), averages
+window's deadline passed (the shared rule of `dsd.node.head.deadline` over this pool's measured
+rounds, capped by `window_timeout_s`), rebuilds each distribution (renormalize | residual), averages
 with the weights renormalised over the workers that answered, and hands the engine
 probabilities [rows, V]. A worker that misses a deadline is left out of that window
 (logged, counted); its KV stays consistent because it still processes every window in
@@ -17,7 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import trio
 
 from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
+from dsd.node.head.deadline import DeadlineRule, RoundTimes
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.server.ledger import ServerLimits
 from dsd.protocol import (
@@ -114,6 +116,8 @@ class _Window:
     rows: int
     deadline: float
     targets: list[WorkerLink]
+    sent_at: float
+    tokens: int
 
 
 class FederatedBackend:
@@ -141,6 +145,7 @@ class FederatedBackend:
         open_timeout_s: float = 60.0,
         max_misses: int = 3,
         session_id: str | None = None,
+        deadline: DeadlineRule | None = None,
     ) -> None:
         if not workers:
             raise FederatedError("federated generation needs at least one worker")
@@ -171,6 +176,9 @@ class FederatedBackend:
         self.top_k = top_k
         self.method = method
         self.window_timeout_s = window_timeout_s
+        # A window is due after k × p95 + floor of the rounds every worker answered, never after window_timeout_s.
+        self.rounds = RoundTimes(replace(deadline or DeadlineRule(), cap_s=window_timeout_s))
+        self._last_answer_at = 0.0
         self.open_timeout_s = open_timeout_s
         self.max_misses = max_misses
         self.id = session_id or secrets.token_hex(8)
@@ -258,6 +266,7 @@ class FederatedBackend:
                 msg = await link.stream.receive()
                 if isinstance(msg, TopKResult):
                     link.results[(msg.epoch, msg.start)] = msg
+                    self._last_answer_at = time.monotonic()
                 elif isinstance(msg, Error):
                     raise FederatedError(f"worker error {msg.code}: {msg.message}")
                 self._notify()
@@ -301,7 +310,9 @@ class FederatedBackend:
         targets = self.active
         if not targets:
             raise FederatedError(self._none_left())
-        self._window = _Window(epoch, start + len(tokens) - rows, rows, time.monotonic() + self.window_timeout_s, targets)
+        now = time.monotonic()
+        self._window = _Window(epoch, start + len(tokens) - rows, rows, now + self.rounds.deadline_s(len(tokens)), targets,
+                               now, len(tokens))
         async with trio.open_nursery() as n:
             for link in targets:
                 n.start_soon(self._send_window, link, msgs)
@@ -339,6 +350,8 @@ class FederatedBackend:
                 if all(key in link.results or link.state != "active" for link in w.targets):
                     break
                 await wake.wait()
+        if all(key in link.results for link in w.targets):
+            self.rounds.observe(w.tokens, max(0.0, self._last_answer_at - w.sent_at))
         t0 = time.perf_counter()
         self.windows += 1
         answered: list[tuple[WorkerLink, TopKResult]] = []

@@ -4,8 +4,9 @@ A head waits for a window's result only as long as what it has measured says it 
 
     expected(n) = the p-th percentile (p95) of the recent rounds in the size class of n tokens,
                   once that class holds `min_samples` rounds; before that, the largest of the
-                  prior's estimate for n tokens and the percentiles of the smaller classes
-                  measured (a larger window takes at least as long); None when nothing is known
+                  prior's estimate for n tokens, the slowest round of n's class so far and the
+                  percentiles of the smaller classes (a larger window takes at least as long);
+                  failing all of those, the smallest percentile of a larger class; else None
     deadline(n) = min(cap_s, k · expected(n) + floor_s)          (cap_s when expected is None)
 
 Size classes are powers of two of the window's tokens (1, 2–3, 4–7, …). The prior is the route
@@ -131,16 +132,19 @@ class RoundTimes:
 
     def expected_s(self, tokens: int) -> float | None:
         """The round time to expect for a window of `tokens` tokens (None when nothing is known)."""
-        q = self.rule.percentile
-        own = self._classes.get(self.size_class(tokens))
+        q, mine = self.rule.percentile, self.size_class(tokens)
+        own = self._classes.get(mine)
         if own is not None and len(own) >= self.rule.min_samples:
             return _percentile(list(own), q)
-        bounds = [_percentile(list(v), q) for c, v in self._classes.items() if c < self.size_class(tokens) and v]
+        lower = [_percentile(list(v), q) for c, v in self._classes.items() if c < mine and v]
         if own:
-            bounds.append(max(own))
+            lower.append(max(own))
         if self.prior is not None:
-            bounds.append(self.prior.estimate_s(tokens))
-        return max(bounds) if bounds else None
+            lower.append(self.prior.estimate_s(tokens))
+        if lower:
+            return max(lower)
+        upper = [_percentile(list(v), q) for c, v in self._classes.items() if c > mine and v]
+        return min(upper) if upper else None
 
     def deadline_s(self, tokens: int) -> float:
         """How long to wait for the result of a `tokens`-token window."""
@@ -199,6 +203,7 @@ class WindowTimer:
         first.late += 1
         return first.late
 
-    def oldest_tokens(self) -> int | None:
+    def oldest(self) -> tuple[int, float] | None:
+        """(tokens, sent at) of the oldest window in flight, if any."""
         first = next(iter(self._pending.values()), None)
-        return None if first is None else first.tokens
+        return None if first is None else (first.tokens, first.sent_at)

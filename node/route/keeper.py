@@ -1,18 +1,28 @@
-"""Keeping a route alive: blacklist failed peers with backoff, re-plan, reopen, and let the backend replay.
+"""Keeping a route alive: deadlines, blame, blacklist with backoff, re-plan, reopen; the backend replays.
 
-When a window fails (a stream resets, a deadline passes, a peer answers with an
-error), the head pings every hop of the route; peers that do not answer, and a
-peer an error names, are blacklisted for a backoff that doubles with each
-failure. A fresh survey of the DHT then plans a new route without them and a
-new session is opened on it; the backend replays the committed tokens into the
-new peers' caches and carries on, so no token is lost or repeated.
+A window's result is awaited only as long as the route's measured rounds say (`dsd.node.head.deadline`:
+k × p95 + a floor, capped; the planner's estimate before the first round). When that deadline passes,
+the keeper pings every hop of the route at once with a short deadline: hops that do not answer
+(frozen, partitioned, behind a dead connection that never reset) are blamed and the route replaced.
+If every hop answers, the window's allowance doubles; when it passes again, a trial window through
+each prefix of the route finds the hop that swallows windows (`dsd.node.route.deadline`). A route
+whose rounds are `slow_factor` times the plan's estimate for `slow_rounds` rounds has its slowest
+hop found the same way, and is replaced if a route without that hop is estimated faster.
+
+When a window fails otherwise (a stream resets, a peer answers with an error), the head pings every
+hop; peers that do not answer, else the peer the error names, are blamed.
+
+Replacing: blacklist the blamed peers for a backoff that doubles with each failure, plan a new route
+without them from a fresh survey, open a session on it; the backend replays the committed tokens
+into the new peers' caches and carries on, so no token is lost or repeated.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,15 +30,23 @@ from typing import Any
 import trio
 
 from dsd.discovery.host import P2PNode
-from dsd.discovery.ping import measure_rtt
+from dsd.discovery.planner import RoutePlan
 from dsd.discovery.survey import survey
+from dsd.node.head.deadline import DeadlineRule, RoundPrior
 from dsd.protocol import Hop, WireFormat
 
+from .deadline import SilentHopError, first_silent, ping_hops, short, slowest_hop, time_prefixes
 from .errors import RouteError
 from .legs import ReturnLegs
 from .session import RouteSession
 
 log = logging.getLogger(__name__)
+
+
+def plan_prior(plan: RoutePlan) -> RoundPrior:
+    """The planner's round estimate as fixed seconds (links, overheads) plus compute per window token."""
+    compute = sum(h.compute_s for h in plan.hops)
+    return RoundPrior(max(0.0, plan.est_round_s - compute), compute / plan.window_tokens)
 
 
 @dataclass
@@ -68,7 +86,10 @@ class RouteKeeper:
     """Owns the head's current `RouteSession` and replaces it when it fails (from any task).
 
     Every session's watcher runs in `nursery`, the keeper's own (see `open_route_keeper`), under
-    that session's cancel scope, so closing a failed session stops just its watcher.
+    that session's cancel scope, so closing a failed session stops just its watcher; a replaced
+    session is closed there in the background. `deadline` holds the constants of the deadline and
+    slowness rule; a ping to a hop waits `ping_timeout_s` + `ping_rtts` × the RTT the last survey
+    measured to it (`probe_timeout_s` when none did).
     """
 
     def __init__(
@@ -84,6 +105,10 @@ class RouteKeeper:
         blacklist: Blacklist | None = None,
         max_failovers: int = 8,
         probe_timeout_s: float = 3.0,
+        deadline: DeadlineRule | None = None,
+        ping_timeout_s: float = 1.0,
+        ping_rtts: float = 5.0,
+        trial_after: int = 2,
     ) -> None:
         self.node = node
         self.legs = legs
@@ -94,21 +119,31 @@ class RouteKeeper:
         self.blacklist = blacklist or Blacklist()
         self.max_failovers = max_failovers
         self.probe_timeout_s = probe_timeout_s
+        self.deadline = deadline or DeadlineRule()
+        self.ping_timeout_s = ping_timeout_s
+        self.ping_rtts = ping_rtts
+        self.trial_after = trial_after
         self.events: list[FailoverEvent] = []
+        self.late_checks = 0  # deadlines missed (each probed the route)
+        self.slow_checks = 0  # times the rounds were judged slow (each timed the route's prefixes)
         self.session: RouteSession | None = None
         self._closed_sent = 0
         self._closed_received = 0
         self._nursery = nursery
+        self._rtts: dict[str, float] = {}  # RTTs the last surveys measured
+        self._planned: tuple[list[Hop], RoundPrior] | None = None  # a plan made while judging a slow route
 
-    async def _plan(self) -> list[Hop]:
-        view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active())
+    async def _plan(self, avoid: frozenset[str] = frozenset()) -> tuple[list[Hop], RoundPrior]:
+        view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active() | avoid)
+        self._rtts.update({pid: rtt for pid, rtt in view.rtts.items() if rtt is not None})
         if view.plan is None:
             assert view.error is not None
             raise view.error
-        return list(view.plan.protocol_hops())
+        return list(view.plan.protocol_hops()), plan_prior(view.plan)
 
-    async def _open(self, hops: list[Hop]) -> None:
-        session = RouteSession(self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire)
+    async def _open(self, hops: list[Hop], prior: RoundPrior | None) -> None:
+        session = RouteSession(self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire,
+                               rule=self.deadline, prior=prior, on_late=self._late, on_slow=self._slow)
         await session.open(self._nursery)
         self.session = session
 
@@ -121,44 +156,113 @@ class RouteKeeper:
     def bytes_received(self) -> int:
         return self._closed_received + (self.session.traffic.received if self.session else 0)
 
-    async def _close_session(self) -> None:
+    def _retire(self) -> RouteSession | None:
+        """Drop the current session, counting its bytes; the caller closes it."""
         session, self.session = self.session, None
-        if session is None:
+        if session is not None:
+            self._closed_sent += session.traffic.sent
+            self._closed_received += session.traffic.received
+        return session
+
+    async def _close_session(self) -> None:
+        session = self._retire()
+        if session is not None:
+            await session.close()  # best effort within its own deadline: the old route may be broken
+
+    def ping_timeouts(self, hops: Sequence[Hop]) -> dict[str, float]:
+        """How long a ping to each hop may take: a floor plus a few of its measured RTTs."""
+        out: dict[str, float] = {}
+        for hop in hops:
+            rtt = self._rtts.get(hop.peer_id)
+            out[hop.peer_id] = self.probe_timeout_s if rtt is None else self.ping_timeout_s + self.ping_rtts * rtt
+        return out
+
+    async def _trial(self, session: RouteSession, tokens: int) -> list[float | None]:
+        """Trial windows of `tokens` tokens through every prefix of the session's route."""
+        assert session.hidden_size is not None, "a route is probed only after a window went out"
+        return await time_prefixes(self.node, self.legs, session.hops, model=self.model, hidden_size=session.hidden_size,
+                                   tokens=tokens, limit_s=session.rounds.deadline_s(tokens), wire=self.wire)
+
+    async def _late(self, session: RouteSession, missed: int) -> None:
+        """A window of `session` missed its deadline `missed` times: find a silent hop, or wait on."""
+        self.late_checks += 1
+        silent = await ping_hops(self.node, session.hops, self.ping_timeouts(session.hops))
+        if silent:
+            names = ", ".join(short(p) for p in silent)
+            raise SilentHopError(f"no result by the deadline and {names} did not answer a ping", silent, unreachable=True)
+        if missed < self.trial_after:
+            log.info("session %s: late, but every hop answers a ping; waiting on", session.id)
             return
-        self._closed_sent += session.traffic.sent
-        self._closed_received += session.traffic.received
-        await session.close()  # best effort within its own deadline: the old route may be broken
+        tokens, sent_at = session.timer.oldest() or (1, trio.current_time())
+        times = await self._trial(session, tokens)
+        i = first_silent(times)
+        if i is not None:
+            peer = session.hops[i].peer_id
+            raise SilentHopError(f"hop {short(peer)} answers pings but passes no window on", [peer])
+        whole = times[-1]
+        assert whole is not None
+        if self.deadline.deadline_s(whole) >= trio.current_time() - sent_at:
+            log.info("session %s: the route is slow now (a trial took %.2f s); waiting on", session.id, whole)
+            return
+        raise RouteError(f"a window was lost: a trial one took {whole:.2f} s through the same hops; reopening",
+                         code="stalled")
 
-    async def _blame(self, error: RouteError, hops: list[Hop]) -> list[str]:
-        """Peers to blacklist: those not answering a ping, else the one the error blames (`error.peer`)."""
-        dead: list[str] = []
+    async def _slow(self, session: RouteSession) -> None:
+        """The session's rounds are slow: find the slow hop; give the route up if one without it is faster."""
+        self.slow_checks += 1
+        rounds = session.rounds
+        measured = statistics.median(rounds.recent_slow)
+        times = await self._trial(session, rounds.last_tokens)
+        i = slowest_hop(times, self.deadline.slow_floor_s)
+        if i is None:
+            log.info("session %s: rounds of %.2f s are slow, but no hop stands out; kept", session.id, measured)
+            rounds.keep()
+            return
+        peer = session.hops[i].peer_id
+        try:
+            hops, prior = await self._plan(frozenset({peer}))
+        except Exception as exc:  # no route without it (NoRouteError), or the survey failed
+            log.info("session %s: hop %s is slow but no route avoids it (%s); kept", session.id, short(peer), exc)
+            rounds.keep()
+            return
+        faster = prior.estimate_s(rounds.last_tokens)
+        if faster >= measured:
+            log.info("session %s: hop %s is slow, but no faster route (est. %.2f s vs %.2f s); kept",
+                     session.id, short(peer), faster, measured)
+            rounds.keep()
+            return
+        self._planned = (hops, prior)
+        raise SilentHopError(f"hop {short(peer)} is slow: rounds of {measured:.2f} s where a route without it "
+                             f"is estimated at {faster:.2f} s", [peer], code="slow")
 
-        async def probe(hop: Hop) -> None:
-            try:
-                await measure_rtt(self.node, hop.peer_id, hop.addrs, samples=1, timeout=self.probe_timeout_s)
-            except Exception:
-                dead.append(hop.peer_id)
-
-        async with trio.open_nursery() as nursery:
-            for hop in {h.peer_id: h for h in hops}.values():
-                nursery.start_soon(probe, hop)
+    async def _blame(self, error: RouteError, hops: list[Hop]) -> tuple[list[str], bool]:
+        """Peers to blacklist: those not answering a ping (True), else the one the error blames (False)."""
+        dead = await ping_hops(self.node, hops, self.ping_timeouts(hops))
         if dead:
-            return dead
-        return [error.peer] if error.peer else []
+            return dead, True
+        return ([error.peer] if error.peer else []), False
 
     async def replace(self, error: RouteError) -> RouteSession:
         """Blacklist the culprits, re-plan and open a new session; raises NoRouteError if none is left."""
         if len(self.events) >= self.max_failovers:
             raise RouteError(f"giving up after {len(self.events)} failovers; last error: {error}") from error
         t0 = time.perf_counter()
-        hops = self.session.hops if self.session is not None else []
-        await self._close_session()
-        blamed = await self._blame(error, hops)
+        old = self._retire()
+        hops = old.hops if old is not None else []
+        if old is not None:
+            self._nursery.start_soon(old.close)  # best effort, in the background: the old route may be frozen
+        if isinstance(error, SilentHopError):
+            blamed, unreachable = error.peers, error.unreachable
+        else:
+            blamed, unreachable = await self._blame(error, hops)
         for peer in blamed:
             backoff = self.blacklist.add(peer)
             log.warning("route failed (%s): blacklisting %s for %.0f s", error, peer, backoff)
-        new_hops = await self._plan()
-        await self._open(new_hops)
+            if unreachable:
+                self._nursery.start_soon(self.node.forget_peer, peer)
+        planned, self._planned = self._planned, None
+        new_hops, prior = planned if planned is not None and error.code == "slow" else await self._plan()
+        await self._open(new_hops, prior)
         event = FailoverEvent(str(error), blamed, time.perf_counter() - t0, [h.peer_id for h in new_hops])
         self.events.append(event)
         log.warning("failover %d: new route %s in %.2f s", len(self.events), event.new_route, event.seconds)
@@ -179,7 +283,10 @@ async def open_route_keeper(
     async with trio.open_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
         try:
-            await keeper._open(hops or await keeper._plan())
+            if hops:
+                await keeper._open(hops, None)
+            else:
+                await keeper._open(*await keeper._plan())
             try:
                 yield keeper
             finally:

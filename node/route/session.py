@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ import trio
 
 from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
+from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
 from dsd.protocol import (
     Ack,
     CloseSession,
@@ -67,9 +68,19 @@ class Traffic:
         return f"Traffic(sent={self.sent}, received={self.received})"
 
 
+LateHook = Callable[["RouteSession", int], Awaitable[None]]
+SlowHook = Callable[["RouteSession"], Awaitable[None]]
+
+
 class RouteSession:
     """One inference session over a chain of block peers: `open` it in a nursery that runs its watcher, `close` it
-    from any task (see `open_route_session` for the plain `async with` form)."""
+    from any task (see `open_route_session` for the plain `async with` form).
+
+    Every window is timed from its sending to its result (`rounds`, `timer`): a window is due after the
+    deadline its measured rounds give (`dsd.node.head.deadline`, with `prior` the planner's estimate
+    before any round). `on_late(session, times missed)` runs when a deadline passes and `on_slow(session)`
+    after a result once the rounds have become slow; either may raise a RouteError to give up the session.
+    """
 
     def __init__(
         self,
@@ -82,6 +93,10 @@ class RouteSession:
         wire: WireFormat | None = None,
         open_timeout_s: float = 60.0,
         session_id: str | None = None,
+        rule: DeadlineRule | None = None,
+        prior: RoundPrior | None = None,
+        on_late: LateHook | None = None,
+        on_slow: SlowHook | None = None,
     ) -> None:
         if not hops:
             raise ValueError("a route needs at least one hop")
@@ -94,6 +109,11 @@ class RouteSession:
         self.open_timeout_s = open_timeout_s
         self.id = session_id or secrets.token_hex(8)
         self.traffic = Traffic()
+        self.rounds = RoundTimes(rule, prior)
+        self.timer = WindowTimer(self.rounds)
+        self.on_late = on_late
+        self.on_slow = on_slow
+        self.hidden_size: int | None = None  # width of the hidden states sent (for trial windows)
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
         # The watcher runs in whichever nursery `open` is given; `close` (from any task) cancels this scope.
@@ -169,13 +189,16 @@ class RouteSession:
 
     async def _next_message(self) -> Message:
         assert self._inbox is not None
-        item = await self._inbox.receive()
+        try:  # what has arrived is taken even when the caller's deadline has already passed
+            item = self._inbox.receive_nowait()
+        except trio.WouldBlock:
+            item = await self._inbox.receive()
         failed: str | None = None
         if isinstance(item, RouteError) and item.code == "route":
             # A stream ended; the peer that caused it usually sends an Error along the ring
-            # right behind: prefer that, it names the culprit.
+            # right behind: prefer that, it names the culprit (shielded: the end is never lost).
             failed = item.peer
-            with trio.move_on_after(1.0):
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                 follow = await self._inbox.receive()
                 if isinstance(follow, Error):
                     item = follow
@@ -215,19 +238,37 @@ class RouteSession:
         wire = self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))
         tree = None if parents is None else tuple(parents)
         path = None if keep is None else tuple(keep)
+        self.hidden_size = int(hidden.shape[-1])
+        self.timer.sent((epoch, start), int(hidden.shape[0]), trio.current_time())
         await self.send_message(Forward(self.id, epoch, start, commit, wire, tree, path))
 
     async def receive_result(self, *, epoch: int = 0, timeout: float = 120.0) -> tuple[int, np.ndarray]:
-        """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden])."""
-        try:
-            with trio.fail_after(timeout):
-                while True:
-                    msg = await self._next_message()
-                    if isinstance(msg, Result) and msg.epoch >= epoch:
-                        return msg.start, decode_tensor(msg.hidden)
-                    log.debug("session %s skipped %s", self.id, type(msg).__name__)
-        except trio.TooSlowError as exc:
-            raise RouteError(f"no result within {timeout:.0f} s", code="timeout") from exc
+        """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden]).
+
+        `timeout` is the hard limit; before it, `on_late` runs whenever the window in flight passes
+        its deadline (see the class doc), and `on_slow` after the result if the route has become slow.
+        """
+        give_up = trio.current_time() + timeout
+        while True:
+            due = self.timer.due() if self.on_late is not None else None
+            msg: Message | None = None
+            with trio.move_on_at(give_up if due is None else min(due, give_up)):
+                msg = await self._next_message()
+            if msg is None:
+                if trio.current_time() >= give_up:
+                    raise RouteError(f"no result within {timeout:.0f} s", code="timeout")
+                assert self.on_late is not None
+                missed = self.timer.late()
+                log.info("session %s: a window missed its deadline (%d time(s))", self.id, missed)
+                await self.on_late(self, missed)
+                continue
+            if isinstance(msg, Result):
+                self.timer.arrived((msg.epoch, msg.start), trio.current_time())
+                if msg.epoch >= epoch:
+                    if self.on_slow is not None and self.rounds.slow:
+                        await self.on_slow(self)
+                    return msg.start, decode_tensor(msg.hidden)
+            log.debug("session %s skipped %s", self.id, type(msg).__name__)
 
     async def forward(
         self,

@@ -43,7 +43,15 @@ from dsd.protocol import (
 from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import SpanModule, Store
 
-from .ledger import Ledger, ServerLimits, SessionError, measure_throughput, receive_within
+from .ledger import (
+    Ledger,
+    Liveness,
+    ServerLimits,
+    SessionError,
+    measure_throughput,
+    receive_within,
+    watch_upstream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +70,7 @@ class Session:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
+    liveness: Liveness = field(default_factory=Liveness)
 
     @property
     def id(self) -> str:
@@ -162,11 +171,16 @@ class BlockServer:
             async with trio.open_nursery() as nursery:
                 if not session.last_hop:
                     nursery.start_soon(self._relay_back, session, upstream)
+                nursery.start_soon(watch_upstream, self.node, remote, session.liveness, self.limits, session.scope)
                 try:
                     await upstream.send(Ack(session.id, 0))
                     with session.scope:
                         await self._session_loop(session, upstream)
-                    if session.scope.cancelled_caught:
+                    if session.scope.cancelled_caught and session.liveness.lost is not None:
+                        log.info("session %s ended: %s", session.id, session.liveness.lost)
+                        error = Error("unreachable", f"{me}: {session.liveness.lost}", session.id, remote)
+                        await send_quietly(session.downstream, error)
+                    elif session.scope.cancelled_caught:
                         error = Error("shutting_down", f"{me}: peer shutting down", session.id, me)
                         await send_quietly(upstream, error)
                         await send_quietly(session.downstream, error)
@@ -289,6 +303,7 @@ class BlockServer:
     async def _session_loop(self, session: Session, upstream: FramedStream) -> None:
         while True:
             msg = await receive_within(upstream, self.limits.idle_timeout_s)  # EOF: the upstream went away
+            session.liveness.heard()
             if isinstance(msg, Forward):
                 await self._forward(session, msg)
             elif isinstance(msg, Truncate):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import trio
 
 from dsd.discovery.framing import FramedStream
+from dsd.discovery.host import P2PNode
+from dsd.discovery.ping import measure_rtt
 from dsd.protocol import Message
 
 log = logging.getLogger(__name__)
@@ -18,7 +20,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one block peer grants to the swarm; every limit is enforced per request."""
+    """What one block peer grants to the swarm; every limit is enforced per request.
+
+    A session whose upstream has been silent for `liveness_interval_s` is checked with a ping to it;
+    no pong within `liveness_timeout_s` ends the session (a frozen or vanished head or peer whose
+    connection never reset frees its state within about the sum, 10 s by default). An upstream that
+    answers pings but sends nothing ends the session after `idle_timeout_s`.
+    """
 
     max_sessions: int = 32
     max_sessions_per_peer: int = 8
@@ -28,6 +36,8 @@ class ServerLimits:
     idle_timeout_s: float = 120.0
     open_timeout_s: float = 30.0
     send_timeout_s: float = 60.0
+    liveness_interval_s: float = 5.0
+    liveness_timeout_s: float = 5.0
 
 
 class SessionError(Exception):
@@ -114,6 +124,37 @@ async def receive_within(stream: FramedStream, idle_timeout_s: float) -> Message
     with trio.move_on_after(idle_timeout_s):
         return await stream.receive()
     raise SessionError("idle", f"session idle for {idle_timeout_s:.0f} s: closed")
+
+
+class Liveness:
+    """When a session last heard from its upstream (`heard` on every message), and why it was given up."""
+
+    def __init__(self) -> None:
+        self.last_heard = trio.current_time()
+        self.lost: str | None = None
+
+    def heard(self) -> None:
+        self.last_heard = trio.current_time()
+
+
+async def watch_upstream(node: P2PNode, remote: str, liveness: Liveness, limits: ServerLimits, scope: trio.CancelScope) -> None:
+    """Ping `remote` whenever it has been silent for `liveness_interval_s`; if no pong comes within
+    `liveness_timeout_s`, record why in `liveness.lost` and cancel the session's `scope`."""
+    checked = liveness.last_heard
+    while True:
+        await trio.sleep_until(max(liveness.last_heard, checked) + limits.liveness_interval_s)
+        if trio.current_time() - liveness.last_heard < limits.liveness_interval_s:
+            continue
+        try:
+            await measure_rtt(node, remote, (), samples=1, timeout=limits.liveness_timeout_s)
+        except Exception as exc:  # timeout, reset, refused
+            silent = trio.current_time() - liveness.last_heard
+            if silent >= limits.liveness_interval_s:  # (it may have spoken while we pinged)
+                liveness.lost = (f"upstream {remote} silent for {silent:.0f} s and no pong within "
+                                 f"{limits.liveness_timeout_s:.0f} s ({type(exc).__name__})")
+                scope.cancel()
+                return
+        checked = trio.current_time()
 
 
 async def measure_throughput(
