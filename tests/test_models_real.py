@@ -205,12 +205,10 @@ def _run_cli(argv: list[str]) -> int:
 def test_cli_prepare_names_missing_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dsd.node.cli import models as cmd_models
     from dsd.shard_store import default_models
 
     pair = (_ghost("target"), _ghost("draft"))
     monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
-    monkeypatch.setattr(cmd_models, "DEFAULT_PAIR", pair)
     assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 1
     out = " ".join(capsys.readouterr().out.split())  # undo rich's line wrapping
     assert "models prepare failed" in out
@@ -225,12 +223,10 @@ def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
     tiny_qwen2_store: Path,
     tiny_qwen2_draft_store: Path,
 ) -> None:
-    from dsd.node.cli import models as cmd_models
     from dsd.shard_store import default_models
 
     pair = (_ghost("target"), _ghost("draft"))
     monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
-    monkeypatch.setattr(cmd_models, "DEFAULT_PAIR", pair)
     shutil.copytree(tiny_qwen2_store, store_path(pair[0], tmp_path))
     shutil.copytree(tiny_qwen2_draft_store, store_path(pair[1], tmp_path))
     assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 0
