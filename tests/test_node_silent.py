@@ -331,3 +331,14 @@ def test_federated_window_deadline_comes_from_measured_rounds(tiny_qwen2_store: 
     left_out = next(w for w in report["workers"] if w["peer_id"] == stopped["peer_id"])
     assert len(report["tokens"]) == 12 and left_out["windows_missed"] >= 1
     assert gaps[0] < 5.0
+
+
+def test_generate_takes_the_deadline_rule_from_its_options(tiny_qwen2_root: Path) -> None:
+    """`--deadline-*` reach the rule: a cap of 0 is refused by it (exit 2, one line naming the constraint)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", "/ip4/127.0.0.1/tcp/1", "--store",
+         str(tiny_qwen2_root / "store"), "--prompt-ids", "1,2", "--deadline-cap", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "cap_s > 0" in run.stderr and "Traceback" not in run.stderr

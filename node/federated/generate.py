@@ -35,7 +35,7 @@ async def generate_federated(
     max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
     async with open_federated_backend(
         node, workers, vocab_size=vocab_size, params=cfg.params, max_len=max_len, top_k=top_k, weights=weights,
-        method=method, window_timeout_s=window_timeout_s,
+        method=method, window_timeout_s=window_timeout_s, deadline=cfg.deadline,
     ) as backend:
         result = await HeadEngine(backend, drafter, cfg, tokenizer).generate(prompt, on_tokens=on_tokens)
     report = result.as_dict()

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from .deadline import DeadlineRule
 from .modes import MODES
 from .sampling import SamplingParams
 from .tree import MAX_POOL_NODES, MAX_TREE_NODES
@@ -68,6 +69,7 @@ class GenerationConfig:
     result_timeout_s: float = 300.0
     branches: int = 8  # dsd: outcome branches pre-drafted besides full acceptance (0 = only that guess)
     alternatives: int = 2  # dsd: alternative tokens bet on per draft position
+    deadline: DeadlineRule = field(default_factory=DeadlineRule)  # how long a window's result is awaited
     tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
 
     def __post_init__(self) -> None:

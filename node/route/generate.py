@@ -51,7 +51,7 @@ async def generate_once(
     max_len = len(prompt) + cfg.max_new_tokens + cfg.max_window_nodes + 2  # a tree window's nodes all take KV rows
     async with open_route_keeper(
         node, legs, hops=hops, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire,
-        blacklist=blacklist,
+        blacklist=blacklist, deadline=cfg.deadline,
     ) as keeper:
         backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s)
         engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
