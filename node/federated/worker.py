@@ -34,10 +34,12 @@ from dsd.discovery.records import PeerRecord
 from dsd.node.head.sampling import SamplingParams, warp
 from dsd.node.server.ledger import (
     Ledger,
+    Liveness,
     ServerLimits,
     SessionError,
     measure_throughput,
     receive_within,
+    watch_upstream,
 )
 from dsd.protocol import (
     PROTOCOL_VERSION,
@@ -195,7 +197,7 @@ class FederatedWorker:
             session = self._open(first, remote)
             log.info("federated session %s open from %s (max_len %d)", session.id, remote, session.max_len)
             await stream.send(Ack(session.id, 0))
-            await self._session_loop(session, stream)
+            await self._watched_loop(session, stream, remote)
         except (SessionError, SessionRuleError) as exc:
             log.info("federated stream from %s ended with error: %s", remote, exc.message)
             await send_quietly(stream, Error(exc.code, exc.message, session.id if session else None, me))
@@ -235,12 +237,25 @@ class FederatedWorker:
         if self.ledger.release(session.id):
             log.info("federated session %s closed after %d windows", session.id, session.windows)
 
-    async def _session_loop(self, session: WorkerSession, stream: FramedStream) -> None:
+    async def _watched_loop(self, session: WorkerSession, stream: FramedStream, remote: str) -> None:
+        """The session loop, ended early when the server stops answering pings (a silent upstream)."""
+        liveness = Liveness()
+        scope = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_upstream, self.node, remote, liveness, self.limits, scope)
+            with scope:
+                await self._session_loop(session, stream, liveness)
+            nursery.cancel_scope.cancel()
+        if scope.cancelled_caught and liveness.lost is not None:
+            log.info("federated session %s ended: %s", session.id, liveness.lost)
+
+    async def _session_loop(self, session: WorkerSession, stream: FramedStream, liveness: Liveness) -> None:
         while True:
             try:
                 msg = await receive_within(stream, self.limits.idle_timeout_s)
             except EOFError:
                 return
+            liveness.heard()
             session.state.check(getattr(msg, "session", session.id))
             if isinstance(msg, DraftWindow):
                 reply = await self._window(session, msg)
