@@ -27,6 +27,7 @@ import trio
 
 from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
+from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.deadline import DeadlineRule, RoundTimes
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.server.ledger import ServerLimits
@@ -422,18 +423,12 @@ async def open_federated_backend(
     error inside the block comes out as itself, not wrapped in an exception group.
     """
     backend = FederatedBackend(node, workers, **options)
-    failure: Exception | None = None
-    async with trio.open_nursery() as readers:
+    async with owned_nursery() as readers:
+        await backend._open_all()
+        for link in backend.active:
+            readers.start_soon(backend._reader, link)
         try:
-            await backend._open_all()
-            for link in backend.active:
-                readers.start_soon(backend._reader, link)
-            try:
-                yield backend
-            finally:
-                await backend._close_all()
-        except Exception as exc:  # re-raised below, once the nursery is closed
-            failure = exc
-        readers.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
+            yield backend
+        finally:
+            await backend._close_all()
+            readers.cancel_scope.cancel()

@@ -32,6 +32,7 @@ import trio
 from dsd.discovery.host import P2PNode
 from dsd.discovery.planner import RoutePlan
 from dsd.discovery.survey import survey
+from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.deadline import DeadlineRule, RoundPrior
 from dsd.protocol import Hop, WireFormat
 
@@ -279,19 +280,13 @@ async def open_route_keeper(
     The keeper's nursery holds its sessions' watchers; an error inside the block comes out as
     itself, not wrapped in an exception group.
     """
-    failure: Exception | None = None
-    async with trio.open_nursery() as nursery:
+    async with owned_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
+        if hops:
+            await keeper._open(hops, None)
+        else:
+            await keeper._open(*await keeper._plan())
         try:
-            if hops:
-                await keeper._open(hops, None)
-            else:
-                await keeper._open(*await keeper._plan())
-            try:
-                yield keeper
-            finally:
-                await keeper._close_session()
-        except Exception as exc:  # re-raised below, once the nursery is closed
-            failure = exc
-    if failure is not None:
-        raise failure
+            yield keeper
+        finally:
+            await keeper._close_session()

@@ -19,6 +19,7 @@ import trio
 
 from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
+from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
 from dsd.protocol import (
     Ack,
@@ -322,15 +323,9 @@ async def open_route_session(
     An error inside the block comes out as itself, not wrapped in an exception group.
     """
     session = RouteSession(node, legs, hops, **options)
-    failure: Exception | None = None
-    async with trio.open_nursery() as nursery:
+    async with owned_nursery() as nursery:
+        await session.open(nursery)
         try:
-            await session.open(nursery)
-            try:
-                yield session
-            finally:
-                await session.close()
-        except Exception as exc:  # re-raised below, once the nursery is closed
-            failure = exc
-    if failure is not None:
-        raise failure
+            yield session
+        finally:
+            await session.close()
