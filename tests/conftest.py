@@ -6,6 +6,8 @@ Torch is limited to one thread: the test machine is small and shared.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,3 +157,30 @@ def tiny_store(request: pytest.FixtureRequest) -> Callable[[str], Path]:
         return request.getfixturevalue(f"tiny_{family}_store")
 
     return get
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `dsd-node ARGS` as a subprocess of this interpreter (what a user's shell would run)."""
+    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness-of-fit p-value; cells expecting < 5 draws are pooled into one."""
+    probs = probs.double().flatten() / probs.double().sum()
+    counts = counts.double().flatten()
+    n = counts.sum()
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"emitted tokens outside the target support: {counts.tolist()}"
+    expected = n * probs
+    big = expected >= 5
+    small = support & ~big
+    obs = counts[big].tolist()
+    exp = expected[big].tolist()
+    if small.any():
+        obs.append(float(counts[small].sum()))
+        exp.append(float(expected[small].sum()))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    dof = len(obs) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))

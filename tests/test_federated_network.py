@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_model, save_tiny_model
+from conftest import cli, make_tiny_model, save_tiny_model
 from dsd.node.federated.generate import generate_federated
 from dsd.node.federated.pool import FederatedError, WorkerInfo, find_workers, list_workers
 from dsd.node.head.drafters import ModelDrafter
@@ -31,8 +29,6 @@ V = 300
 PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 8, 9]]
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

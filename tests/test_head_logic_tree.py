@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from conftest import chi2_pvalue
 from dsd.node.head.sampling import SamplingParams, sample, warp
 from dsd.node.head.tree import MAX_TREE_NODES, Children, DraftTree, check_parents, expand_tree
 from dsd.node.head.tree_verify import TreeVerdict, verify_tree
@@ -19,26 +20,6 @@ GREEDY = SamplingParams()
 HOT = SamplingParams(temperature=1.0)
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness-of-fit p-value; cells expecting < 5 draws are pooled into one."""
-    probs = probs.double().flatten() / probs.double().sum()
-    counts = counts.double().flatten()
-    n = counts.sum()
-    support = probs > 0
-    assert counts[~support].sum() == 0, f"emitted tokens outside the target support: {counts.tolist()}"
-    expected = n * probs
-    big = expected >= 5
-    small = support & ~big
-    obs = counts[big].tolist()
-    exp = expected[big].tolist()
-    if small.any():
-        obs.append(float(counts[small].sum()))
-        exp.append(float(expected[small].sum()))
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    dof = len(obs) - 1
-    if dof == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 def rows_with_top(tops: list[int], vocab: int = 8) -> torch.Tensor:

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from conftest import chi2_pvalue
 from dsd.node.head.sampling import SamplingParams, warp
 from dsd.node.head.verify import Verdict, find_stop, stream_safe_length, verify_window
 
@@ -15,29 +16,6 @@ GREEDY = SamplingParams()
 NEG = float("-inf")
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness-of-fit p-value; cells of zero probability must be empty.
-
-    Cells expecting fewer than 5 draws are pooled into one, as the test's approximation needs.
-    """
-    probs = probs.double() / probs.double().sum()
-    counts = counts.double()
-    n = counts.sum()
-    support = probs > 0
-    assert counts[~support].sum() == 0, f"emitted tokens outside the target support: {counts.tolist()}"
-    expected = n * probs
-    big = expected >= 5
-    small = support & ~big
-    obs = counts[big].tolist()
-    exp = expected[big].tolist()
-    if small.any():
-        obs.append(float(counts[small].sum()))
-        exp.append(float(expected[small].sum()))
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    dof = len(obs) - 1
-    if dof == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 def logits_with_top(tops: list[int], vocab: int = 8) -> torch.Tensor:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import cli
 from dsd.discovery.planner import NoRouteError
 from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -33,8 +32,6 @@ N_NEW = 64
 PROMPT = [1, 17, 42, 99, 5, 17, 42, 99, 7]
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

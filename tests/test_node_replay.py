@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import cli
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -33,8 +32,6 @@ N_NEW = 12
 GAMMA = 3
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import cli
 from dsd.discovery.survey import survey
 from dsd.node.federated.generate import generate_federated
 from dsd.node.federated.pool import find_workers
@@ -100,8 +101,6 @@ def test_blame_from_trial_windows_through_the_prefixes() -> None:
 
 # --- real processes --------------------------------------------------------------
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_model
+from conftest import cli, make_tiny_model
 from dsd.discovery.survey import survey
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -36,10 +34,6 @@ MODEL = "tiny-qwen2"
 RECORD_TTL_S = 6.0
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import copy
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import cli
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -39,8 +38,6 @@ PROMPTS = [[1, 17, 42, 99, 5, 17, 42, 99], [1, 250, 3, 3, 3, 3, 8]]
 N_NEW = 24
 
 
-def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
