@@ -6,9 +6,11 @@ Torch is limited to one thread: the test machine is small and shared.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -184,3 +186,21 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if dof == 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The reference: `n` greedy tokens of an HF causal LM after `prompt` (no EOS stop)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@contextlib.contextmanager
+def cli_testnet(state: Path, *args: str) -> Iterator[dict]:
+    """`dsd-node testnet up --state STATE ARGS --json` for the block; always `testnet down` after it."""
+    up = cli("testnet", "up", "--state", str(state), *args, "--json")
+    assert up.returncode == 0, up.stderr[-3000:]
+    try:
+        yield json.loads(up.stdout)
+    finally:
+        cli("testnet", "down", "--state", str(state), timeout=60)

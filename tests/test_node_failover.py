@@ -4,7 +4,6 @@ is left, generation stops with an error naming the missing blocks and keeps the 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -15,7 +14,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli
+from conftest import cli_testnet, hf_greedy
 from dsd.discovery.planner import NoRouteError
 from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -36,20 +35,14 @@ PROMPT = [1, 17, 42, 99, 5, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def replicated(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    state = tmp_path_factory.mktemp("replicated")
-    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2",
-             "--state", str(state), "--record-ttl", "6", "--json")
-    assert up.returncode == 0, up.stderr[-3000:]
-    yield json.loads(up.stdout)
-    cli("testnet", "down", "--state", str(state), timeout=60)
+    with cli_testnet(tmp_path_factory.mktemp("replicated"), "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2", "--record-ttl", "6") as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen2_root: Path) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return hf_greedy(model, PROMPT, N_NEW)
 
 
 def pid_of(testnet: dict, peer_id: str) -> int:

@@ -5,7 +5,6 @@ whole window: greedy output equals the target's alone."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli
+from conftest import cli_testnet, hf_greedy
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -36,12 +35,9 @@ GAMMA = 3
 
 @pytest.fixture(scope="module")
 def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    state = tmp_path_factory.mktemp("replay")
-    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "6", "--replicas", "3",
-             "--state", str(state), "--record-ttl", "6", "--json")
-    assert up.returncode == 0, up.stderr[-3000:]
-    yield json.loads(up.stdout)
-    cli("testnet", "down", "--state", str(state), timeout=60)
+    with cli_testnet(tmp_path_factory.mktemp("replay"), "--store", str(tiny_qwen2_root / "store"), "--peers", "6", "--replicas", "3",
+                     "--record-ttl", "6") as info:
+        yield info
 
 
 def prompt_of(length: int) -> list[int]:
@@ -50,10 +46,7 @@ def prompt_of(length: int) -> list[int]:
 
 
 def reference(hf_dir: Path, prompt: list[int]) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval(), prompt, N_NEW)
 
 
 class KillingBackend(RouteBackend):

@@ -20,7 +20,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli
+from conftest import cli, cli_testnet, hf_greedy
 from dsd.discovery.survey import survey
 from dsd.node.federated.generate import generate_federated
 from dsd.node.federated.pool import find_workers
@@ -105,20 +105,15 @@ def test_blame_from_trial_windows_through_the_prefixes() -> None:
 
 @pytest.fixture(scope="module")
 def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    state = tmp_path_factory.mktemp("silent")
-    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2",
-             "--state", str(state), "--wan-latency-ms", "30", "--json")
-    assert up.returncode == 0, up.stderr[-3000:]
-    yield json.loads(up.stdout)
-    cli("testnet", "down", "--state", str(state), timeout=60)
+    with cli_testnet(tmp_path_factory.mktemp("silent"), "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2",
+                     "--wan-latency-ms", "30") as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen2_root: Path) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return hf_greedy(model, PROMPT, N_NEW)
 
 
 class Frozen:

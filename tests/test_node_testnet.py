@@ -15,7 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, make_tiny_model
+from conftest import cli, hf_greedy, make_tiny_model
 from dsd.discovery.survey import survey
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -51,12 +51,6 @@ def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def reference(tiny_qwen2_root: Path):
     return AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_testnet_state_and_status(testnet: dict) -> None:

@@ -18,7 +18,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli
+from conftest import cli, cli_testnet, hf_greedy
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -42,12 +42,8 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    state = tmp_path_factory.mktemp("treenet")
-    up = cli("testnet", "up", "--store", str(tiny_qwen2_root / "store"), "--peers", "3", "--state", str(state),
-             "--record-ttl", "6", "--json")
-    assert up.returncode == 0, up.stderr[-3000:]
-    yield json.loads(up.stdout)
-    cli("testnet", "down", "--state", str(state), timeout=60)
+    with cli_testnet(tmp_path_factory.mktemp("treenet"), "--store", str(tiny_qwen2_root / "store"), "--peers", "3", "--record-ttl", "6") as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +62,6 @@ def noisy_draft(reference) -> torch.nn.Module:
             if ".layers." in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
     return draft.eval()
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_greedy_tree_generation_over_the_ring_equals_hf(testnet: dict, tiny_qwen2_root: Path, reference, noisy_draft) -> None:
