@@ -78,13 +78,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_down(args: argparse.Namespace) -> int:
-    from dsd.node.testnet.processes import TestnetState, stop_processes
+def _load(state_dir: Path):
+    """The testnet recorded in `state_dir`, or None after printing why there is none."""
+    from dsd.node.testnet.processes import TestnetState
 
     try:
-        state = TestnetState.load(args.state)
+        return TestnetState.load(state_dir)
     except FileNotFoundError as exc:
-        return fail(str(exc), 1)
+        fail(str(exc), 1)
+        return None
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from dsd.node.testnet.processes import stop_processes
+
+    state = _load(args.state)
+    if state is None:
+        return 1
     outcome = stop_processes([p.pid for p in reversed(state.peers)])
     for p in state.peers:
         print(f"{p.name:10s} pid {p.pid}: {outcome.get(p.pid, 'unknown')}")
@@ -92,13 +102,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from dsd.node.testnet.processes import TestnetState
     from dsd.node.testnet.swarm import state_report
 
-    try:
-        state = TestnetState.load(args.state)
-    except FileNotFoundError as exc:
-        return fail(str(exc), 1)
+    state = _load(args.state)
+    if state is None:
+        return 1
     d = state_report(state)
     if args.json:
         print(json.dumps(d, indent=2))
