@@ -16,6 +16,7 @@ Resumable: runs already in the results file are skipped, and the file is rewritt
 
     python bench/dsd_sweep.py --peers 4 --ratios 5                 # the headline setting (hours)
     python bench/dsd_sweep.py                                      # N in {3,4,8} x t1/t0 in {3,5,10}
+    python bench/dsd_sweep.py --peers 4 --ratios 5 --modes sd-chain,sd,dsd-chain,dsd --name tree_vs_chain  # trees
     python bench/dsd_sweep.py --models tiny --problems 0,1 --reps 1 --max-new-tokens 24   # smoke test
 """
 
@@ -43,7 +44,7 @@ from harness import (
     testnet,
     today,
 )
-from sweep_model import MODES, summarize
+from sweep_model import CHAIN, MODES, base_mode, summarize
 from sweep_report import markdown_table, write_outputs
 from sweep_setup import (
     Workload,
@@ -151,9 +152,9 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
     out: list[dict[str, Any]] = []
     for mode in opts.modes:
         cfg = GenerationConfig(
-            mode=mode, max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
+            mode=base_mode(mode), max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
             stop_strings=HUMANEVAL_STOPS if real else (), tau_max=opts.tau_max if mode == "dsd-adaptive" else 0.0,
-            branches=opts.branches, tree_nodes=opts.tree_nodes,
+            branches=opts.branches, tree_nodes=0 if mode.endswith(CHAIN) else opts.tree_nodes,
         )
         mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
         if mode_setup.drafter is not None:
@@ -161,6 +162,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
         run: dict[str, Any] = {"task_id": problem["task_id"], "rep": rep, "mode": mode, "prompt_tokens": len(prompt)}
         try:
             run.update(await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer))
+            run["mode"] = mode  # the benchmark's mode (sd-chain), not the engine's (sd)
         except Exception as exc:  # e.g. a peer failed; recorded, not fatal to the sweep
             run["error"] = f"{type(exc).__name__}: {exc}"
             out.append(run)
@@ -174,7 +176,8 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
                 run["passed"], run["result"] = check_pass(problem, run["completion"], opts.exec_timeout)
         out.append(run)
         log(f"  {problem['task_id']:14s} rep {rep} {mode:13s} {run['new_tokens']:3d} tok {run['tokens_per_s']:6.2f} tok/s "
-            f"rounds {run['rounds']:3d} k̄ {run['mean_accepted']:.2f} ready {run['ready_share']:.2f}"
+            f"rounds {run['rounds']:3d} k̄ {run['mean_accepted']:.2f} ready {run['ready_share']:.2f} "
+            f"nodes {run['mean_tree_nodes']:.1f} trees {run['tree_windows']}"
             + (f" pass={run['passed']}" if "passed" in run else ""))
     return out
 
@@ -289,7 +292,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
                    help="real: Qwen2.5-Coder 1.5B target, 0.5B draft; tiny: random 8-layer target drafting for itself")
     p.add_argument("--peers", default="3,4,8", help="comma-separated N values (default 3,4,8)")
     p.add_argument("--ratios", default="3,5,10", help="comma-separated t1/t0 values (default 3,5,10)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes (default ar,sd,dsd)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes (default ar,sd,dsd); "
+                   "sd-chain / dsd-chain run sd / dsd with chains only, to compare against --tree-nodes")
     p.add_argument("--problems", default=",".join(map(str, PROBLEMS)), help="HumanEval problem indices (default: the fixed 10)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every (prompt, mode) (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -11,8 +11,16 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-MODES = ("ar", "sd", "dsd", "dsd-adaptive")
-RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"))
+MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain")
+# Paired ratios reported when both modes ran: the speedups, and trees (the controller's choice) vs chains.
+RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
+          ("dsd-chain", "sd-chain"))
+CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
+
+
+def base_mode(mode: str) -> str:
+    """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only."""
+    return mode.removesuffix(CHAIN)
 
 
 def interp(table: dict[int, float], x: float) -> float:
@@ -115,6 +123,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "drafted": drafted,
         "accepted": accepted,
+        "tree_window_share": sum(r.get("tree_windows", 0) for r in runs) / draft_rounds if draft_rounds else 0.0,
         "ready_share": sum(r["ready_rounds"] for r in runs) / windows if windows else 0.0,
         "bytes_per_token": sum(r["bytes_sent"] + r["bytes_received"] for r in runs) / tokens if tokens else 0.0,
         "drafting_s": sum(t["drafting_s"] for t in tb),
@@ -125,11 +134,12 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def _paired(setting: dict[str, Any], num: str, den: str) -> list[list[float]]:
-    """Per prompt: the tok/s ratio num/den of each repetition (the two runs were adjacent in time)."""
+def _paired(setting: dict[str, Any], num: str, den: str, key: str = "tokens_per_s") -> list[list[float]]:
+    """Per prompt: the ratio num/den of `key` in each repetition (the two runs were adjacent in time)."""
     by: dict[tuple[str, int], dict[str, float]] = {}
     for r in setting["runs"]:
-        by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = r["tokens_per_s"]
+        if "error" not in r:
+            by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = r[key]
     groups: dict[str, list[float]] = {}
     for (task, _), modes in by.items():
         if num in modes and den in modes and modes[den] > 0:
@@ -144,6 +154,7 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     cal = setting["calibration"]
     out: dict[str, Any] = {"modes": {}, "ratios": {}}
     ar_pred = predict("ar", cal, 0)
+    ref = "ar" if "ar" in modes else modes[0]  # greedy output must be the same in every mode: checked against ref
     for m in modes:
         mine = [r for r in runs if r["mode"] == m]
         row: dict[str, Any] = aggregate(mine)
@@ -151,13 +162,13 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         for r in mine:
             by_task.setdefault(r["task_id"], []).append(r["tokens_per_s"])
         row["median_tokens_per_s"] = bootstrap_median(list(by_task.values()))
-        gamma = best_gamma(m, cal)
-        pred = predict(m, cal, gamma)
+        gamma = best_gamma(base_mode(m), cal)
+        pred = predict(base_mode(m), cal, gamma)
         row["model"] = {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
         row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])
-        ar_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == "ar"}
-        same = [r["tokens"] == ar_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ar_tokens]
-        row["identical_to_ar"] = f"{sum(same)}/{len(same)}" if same else "-"
+        ref_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == ref}
+        same = [r["tokens"] == ref_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ref_tokens]
+        row["identical_to_ar" if ref == "ar" else f"identical_to_{ref}"] = f"{sum(same)}/{len(same)}" if same else "-"
         first = [r.get("passed") for r in mine if r["rep"] == 1]
         if first and all(isinstance(x, bool) for x in first):
             row["pass_at_1"] = sum(first) / len(first)
@@ -167,4 +178,8 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         if groups:
             med, lo, hi = bootstrap_median(groups)
             out["ratios"][f"{num}/{den}"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+            if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
+                med, lo, hi = bootstrap_median(_paired(setting, num, den, "tokens_per_trip"))
+                out["ratios"][f"{num}/{den} tokens/trip"] = {"median": med, "ci95": [lo, hi],
+                                                             "pairs": sum(len(g) for g in groups)}
     return out
