@@ -14,6 +14,9 @@ head sends to h1, each hop forwards to the next, hN returns to the head):
 
 Every term depends only on (peer, first block, last block) of a hop, so the cheapest
 route is a shortest path over block boundaries 0..num_layers (Dijkstra, as Petals does);
+a head that serves the first or the last layers itself (`generate --blocks A:B`) has only
+the others routed: `blocks` = (start, end), and the ring leaves and reaches the head at
+those boundaries (`remote_blocks` says which range that is);
 a peer may serve any sub-range of its span. Ties (within 1 ns) go to fewer hops. A peer
 can appear twice on a route only if it serves two disjoint sub-ranges and that is
 strictly cheaper (each appearance is its own hop / session).
@@ -149,19 +152,46 @@ class RoutePlan:
         return [h.to_protocol() for h in self.hops]
 
 
+def remote_blocks(local: tuple[int, int], num_layers: int) -> tuple[int, int]:
+    """The blocks [start, end) a route must cover when the head serves `local` = [a, b) itself.
+
+    The head's span must be the model's first layers (a = 0: the route serves b..num_layers) or
+    its last ones (b = num_layers: the route serves 0..a), and leave some layers to route.
+    """
+    a, b = local
+    if not 0 <= a < b <= num_layers:
+        raise ValueError(f"blocks {a}:{b}: need 0 <= START < END <= {num_layers} (the model has {num_layers} layers)")
+    if (a, b) == (0, num_layers):
+        raise ValueError(f"blocks {a}:{b} are every layer: nothing would be left to route over block peers")
+    if a != 0 and b != num_layers:
+        raise ValueError(f"blocks {a}:{b}: the head serves the first layers (0:B) or the last ones (A:{num_layers}), "
+                         "not a span in the middle of the ring")
+    return (b, num_layers) if a == 0 else (0, a)
+
+
+def _check_blocks(blocks: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:
+    """`blocks` (default every layer) checked to be a non-empty range inside 0..num_layers."""
+    start, end = (0, num_layers) if blocks is None else blocks
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"blocks must be a range inside 0..{num_layers}, got {start}:{end}")
+    return start, end
+
+
 def _eligible(
     records: Iterable[PeerRecord],
     rtts: Mapping[str, float | None],
-    num_layers: int,
+    blocks: tuple[int, int],
     blacklist: Iterable[str],
     min_cache_tokens: int,
     default_rtt_s: float | None,
 ) -> tuple[list[tuple[PeerRecord, float]], dict[str, str]]:
+    """Peers that may serve some of `blocks` = [first, last) (with their RTTs), and why the others may not."""
+    first, last = blocks
     banned = set(blacklist)
     out: list[tuple[PeerRecord, float]] = []
     excluded: dict[str, str] = {}
     for rec in records:
-        if rec.role != "block":
+        if rec.role != "block" or rec.start >= last or rec.end <= first:
             continue
         if rec.peer_id in banned:
             excluded[rec.peer_id] = "blacklisted"
@@ -174,8 +204,6 @@ def _eligible(
             continue
         if rec.cache_tokens_left < min_cache_tokens:
             excluded[rec.peer_id] = f"{rec.cache_tokens_left} free cache tokens < {min_cache_tokens}"
-            continue
-        if rec.start >= num_layers:
             continue
         out.append((rec, float(rtt)))
     return out, excluded
@@ -193,8 +221,10 @@ def plan_route(
     low_cache_penalty_s: float = 0.05,
     hop_overhead_s: float = 0.0005,
     default_rtt_s: float | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> RoutePlan:
-    """The lowest-estimated-round-time route covering blocks 0..num_layers-1 (see the module doc).
+    """The lowest-estimated-round-time route covering blocks 0..num_layers-1 (see the module doc),
+    or only `blocks` = (start, end) when the head serves the others itself.
 
     rtts maps peer id -> head's measured RTT in seconds (None or absent = unreachable, unless
     default_rtt_s is given). Peers that are blacklisted, unreachable or have fewer than
@@ -204,28 +234,29 @@ def plan_route(
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
-    peers, excluded = _eligible(records, rtts, num_layers, blacklist, min_cache_tokens, default_rtt_s)
+    first, last = _check_blocks(blocks, num_layers)
+    peers, excluded = _eligible(records, rtts, (first, last), blacklist, min_cache_tokens, default_rtt_s)
 
     covered = [False] * num_layers
     for rec, _ in peers:
-        for b in range(rec.start, min(rec.end, num_layers)):
+        for b in range(max(rec.start, first), min(rec.end, last)):
             covered[b] = True
-    missing = [b for b in range(num_layers) if not covered[b]]
+    missing = [b for b in range(first, last) if not covered[b]]
     if missing:
         raise NoRouteError(missing, num_layers, excluded)
 
     def hop(rec: PeerRecord, rtt: float, s: int, e: int) -> RouteHop:
         one_way = rtt / 2
-        link_in = one_way if s == 0 else one_way / 2
-        link_out = one_way if e == num_layers else one_way / 2
+        link_in = one_way if s == first else one_way / 2
+        link_out = one_way if e == last else one_way / 2
         compute = window_tokens * (e - s) / (rec.num_blocks * rec.throughput)
         frac = max(0.0, 1.0 - rec.cache_tokens_left / cache_headroom_tokens) if cache_headroom_tokens > 0 else 0.0
         return RouteHop(rec, s, e, link_in, compute, low_cache_penalty_s * frac + hop_overhead_s, link_out)
 
     # Dijkstra over block boundaries; label = (cost in ns, hops) compared with a tie tolerance.
-    best: dict[int, tuple[float, int]] = {0: (0.0, 0)}
+    best: dict[int, tuple[float, int]] = {first: (0.0, 0)}
     back: dict[int, tuple[int, RouteHop]] = {}
-    heap: list[tuple[float, int, int]] = [(0.0, 0, 0)]
+    heap: list[tuple[float, int, int]] = [(0.0, 0, first)]
     done: set[int] = set()
 
     def better(a: tuple[float, int], b: tuple[float, int]) -> bool:
@@ -238,12 +269,12 @@ def plan_route(
         if s in done or (cost, nhops) != best[s]:
             continue
         done.add(s)
-        if s == num_layers:
+        if s == last:
             break
         for rec, rtt in peers:
             if not rec.start <= s < rec.end:
                 continue
-            for e in range(s + 1, min(rec.end, num_layers) + 1):
+            for e in range(s + 1, min(rec.end, last) + 1):
                 h = hop(rec, rtt, s, e)
                 label = (cost + h.cost_s * 1e9, nhops + 1)
                 if e not in best or better(label, best[e]):
@@ -252,13 +283,13 @@ def plan_route(
                     heapq.heappush(heap, (label[0], label[1], e))
 
     hops: list[RouteHop] = []
-    b = num_layers
-    while b != 0:
+    b = last
+    while b != first:
         s, h = back[b]
         hops.append(h)
         b = s
     hops.reverse()
-    return RoutePlan(tuple(hops), best[num_layers][0] / 1e9, window_tokens, num_layers, excluded)
+    return RoutePlan(tuple(hops), best[last][0] / 1e9, window_tokens, num_layers, excluded)
 
 
 def block_throughputs(records: Iterable[PeerRecord], num_layers: int, exclude_peer: str | None = None) -> list[float]:

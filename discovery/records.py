@@ -58,6 +58,10 @@ def _check_int(name: str, value: object, lo: int = 0) -> None:
         raise RecordError(f"record field {name} must be an integer >= {lo}, got {value!r}")
 
 
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def _check_time(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise RecordError(f"record field {name} must be a finite number, got {value!r}")
@@ -81,6 +85,7 @@ class PeerRecord:
     issued: float = 0.0  # newer issued wins when a peer has several records stored
     vocab_size: int | None = None  # federated workers only
     topk_cap: int | None = None  # federated workers only: largest K it returns
+    manifest_sha256: str | None = None  # sha256 of the served store's manifest.json (shard transfer's trust root)
 
     def __post_init__(self) -> None:
         _check_str("peer_id", self.peer_id)
@@ -111,6 +116,8 @@ class PeerRecord:
                 value = getattr(self, name)
                 if value is not None:
                     _check_int(name, value, lo=1)
+        if self.manifest_sha256 is not None and not _is_sha256(self.manifest_sha256):
+            raise RecordError(f"record field manifest_sha256 must be 64 lowercase hex characters, got {self.manifest_sha256!r:.80}")
 
     @property
     def num_blocks(self) -> int:
@@ -124,6 +131,8 @@ class PeerRecord:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["addrs"] = list(self.addrs)
+        if d["manifest_sha256"] is None:  # a record without it reads the same to peers that predate the field
+            del d["manifest_sha256"]
         return d
 
     @classmethod

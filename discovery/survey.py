@@ -143,35 +143,44 @@ async def probe_rtts(
 
 
 async def survey(
-    node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] = (), role: str = "block"
+    node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] = (), role: str = "block",
+    blocks: tuple[int, int] | None = None,
 ) -> SwarmView:
-    """Fetch, probe and plan once; blacklisted peers are neither probed nor planned over."""
+    """Fetch, probe and plan once; blacklisted peers are neither probed nor planned over.
+
+    `blocks` = (start, end) plans a route over those layers only (the head serves the others,
+    see `planner.remote_blocks`); peers serving none of them are not probed.
+    """
+    first, last = (0, num_layers) if blocks is None else blocks
     banned = set(blacklist)
     records = [r for r in await fetch_records(node, model, num_layers) if r.role == role]
     view = SwarmView(records)
-    candidates = [r for r in records if r.peer_id not in banned]
+    candidates = [r for r in records if r.peer_id not in banned and r.start < last and r.end > first]
 
     def complete(rtts: Mapping[str, float | None]) -> bool:
-        """Do the peers measured so far cover every layer (or is no route possible anyway)?"""
+        """Do the peers measured so far cover every layer to route (or is no route possible anyway)?"""
         cover = SwarmView([r for r in candidates if rtts.get(r.peer_id) is not None]).coverage(num_layers)
-        return all(cover) or not all(SwarmView(candidates).coverage(num_layers))
+        return all(cover[first:last]) or not all(SwarmView(candidates).coverage(num_layers)[first:last])
 
     view.rtts = await probe_rtts(node, candidates, enough=complete)
     reachable = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
     live = [r for r in records if r.peer_id in reachable or r.peer_id in banned]  # the planner says why not these
     try:
-        view.plan = plan_route(live, reachable, num_layers, blacklist=banned)
+        view.plan = plan_route(live, reachable, num_layers, blacklist=banned, blocks=blocks)
     except NoRouteError as exc:
         view.error = exc
     return view
 
 
-async def wait_for_route(node: P2PNode, model: str, num_layers: int, timeout_s: float, poll_s: float = 1.0) -> SwarmView:
-    """Survey until a complete route exists; raises the last NoRouteError on timeout."""
+async def wait_for_route(
+    node: P2PNode, model: str, num_layers: int, timeout_s: float, poll_s: float = 1.0,
+    *, blocks: tuple[int, int] | None = None,
+) -> SwarmView:
+    """Survey until a complete route (over `blocks`, default every layer) exists; raises the last NoRouteError on timeout."""
     view: SwarmView | None = None
     with trio.move_on_after(timeout_s):
         while True:
-            view = await survey(node, model, num_layers)
+            view = await survey(node, model, num_layers, blocks=blocks)
             if view.plan is not None:
                 return view
             await trio.sleep(poll_s)

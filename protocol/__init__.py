@@ -1,4 +1,5 @@
-"""Sans-IO wire protocol: messages, framing, session rules, token-tree rules (`trees`), tensor and top-K codecs.
+"""Sans-IO wire protocol: messages, framing, session rules, token-tree rules (`trees`), tensor and top-K codecs,
+shard transfer (`shard`).
 
 Bytes in, typed messages out, or a `ProtocolError` naming the field that was wrong.
 No sockets, no event loop, no model code.
@@ -26,7 +27,8 @@ from .messages import (
 )
 from .records import RECORDS_LIMITS, RecordsFound, RecordsGet, RecordsPut, RecordsStored
 from .session import SessionState
-from .tensors import CODECS, WireFormat, WireTensor, decode_tensor, encode_tensor
+from .shard import FileChunk, FileEnd, GetFile, GetManifest, ManifestData
+from .tensors import CODECS, WireFormat, WireTensor, codec_for_dtype, decode_tensor, encode_tensor
 from .topk import aggregate, decode_ids, encode_ids, reconstruct, topk_from_probs
 
 __all__ = [
@@ -40,11 +42,16 @@ __all__ = [
     "CloseSession",
     "DraftWindow",
     "Error",
+    "FileChunk",
+    "FileEnd",
     "FrameDecoder",
     "Forward",
+    "GetFile",
+    "GetManifest",
     "Hello",
     "Hop",
     "Limits",
+    "ManifestData",
     "Message",
     "OpenSession",
     "Ping",
@@ -63,6 +70,7 @@ __all__ = [
     "WireTensor",
     "aggregate",
     "check_version",
+    "codec_for_dtype",
     "decode_body",
     "decode_ids",
     "decode_tensor",

@@ -14,6 +14,10 @@ PROTOCOL_MAJOR = 1
 MAX_POSITION = 2**31 - 1
 MAX_U63 = 2**63 - 1
 MAX_U64 = 2**64 - 1
+# Shard transfer (`shard.py`): file data travels in chunks of at most this many bytes; offsets and
+# lengths of a file range stay below MAX_FILE_BYTES (1 TiB: more than any weight file).
+SHARD_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_FILE_BYTES = 2**40
 
 _VERSION_RE = re.compile(r"\A(\d{1,4})\.(\d{1,4})\Z")
 
@@ -32,6 +36,8 @@ class Limits:
     max_topk: int = 1 << 18
     max_payload: int = 1 << 20
     max_tree_nodes: int = 64  # nodes of a token-tree window (EAGLE-2 drafts 48-60)
+    max_chunk_bytes: int = SHARD_CHUNK_BYTES  # data of one FileChunk
+    max_manifest_bytes: int = 4 * 1024 * 1024  # a store's manifest.json in a ManifestData reply
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -47,6 +47,7 @@ ERROR_CODES = (
     "unreachable",  # the next hop of a route could not be reached
     "idle",  # a session closed after its idle timeout
     "shutting_down",  # the peer is leaving; fail over
+    "not_found",  # shard transfer: no such model or file on this peer
 )
 
 # A field kind: validate (and normalise) a Python value; `decode` turns the msgpack form into one.

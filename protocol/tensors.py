@@ -278,14 +278,33 @@ def encode_tensor(
     return WireTensor(a.dtype.name, tuple(int(d) for d in a.shape), codec, bool(zstd), data, wblock, wscale)
 
 
+# The codec that carries a compute dtype's values exactly: half precision travels in half the bytes.
+LOSSLESS_CODECS: dict[str, str] = {"float32": "raw", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def codec_for_dtype(dtype: str) -> str:
+    """The hidden-state codec of compute dtype `dtype` ("float32", "bfloat16", "float16"): lossless for
+    values computed in it; raw for anything else."""
+    return LOSSLESS_CODECS.get(dtype, "raw")
+
+
 @dataclass(frozen=True)
 class WireFormat:
-    """How a peer puts hidden states on the wire; raw fp32 is exact (DSD's lossless default)."""
+    """How a peer puts hidden states on the wire; raw fp32 is exact (DSD's lossless default).
+
+    codec "auto" stands for the codec of the compute dtype (`for_dtype` resolves it before use).
+    """
 
     codec: str = "raw"
     zstd: bool = False
 
+    def for_dtype(self, dtype: str) -> WireFormat:
+        """This format with codec "auto" replaced by `codec_for_dtype(dtype)`; any other codec is kept."""
+        return WireFormat(codec_for_dtype(dtype), self.zstd) if self.codec == "auto" else self
+
     def encode(self, array: np.ndarray) -> WireTensor:
+        if self.codec == "auto":
+            raise ProtocolError("codec 'auto' must be resolved with WireFormat.for_dtype before encoding", "codec")
         return encode_tensor(array, codec=self.codec, zstd=self.zstd)
 
 

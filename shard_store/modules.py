@@ -1,7 +1,8 @@
 """Runtime modules built from a store: the head (embeddings, final norm, lm_head) and a layer span.
 
 Both reuse transformers' own decoder-layer, RMSNorm and rotary classes; only the glue (positions,
-causal or token-tree mask, per-span cache) lives here.
+causal or token-tree mask, per-span cache) lives here. A module computes where its weights are
+(`device`, `dtype`): inputs from anywhere are moved and cast to it, outputs stay there.
 """
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ class HeadModule(nn.Module):
         """Weight dtype of the head."""
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the head computes."""
+        return self.embed_tokens.weight.device
+
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, t] -> hidden states [b, t, h]; ids outside the vocabulary are a StoreError."""
+        """Token ids [b, t] (any device) -> hidden states [b, t, h] on the head's device; ids outside the
+        vocabulary are a StoreError."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise StoreError("embed: input_ids must be an int64/int32 tensor")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -55,14 +62,15 @@ class HeadModule(nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise StoreError(f"embed: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
-        return self.embed_tokens(input_ids.long())
+        return self.embed_tokens(input_ids.to(device=self.device, dtype=torch.long))
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [b, t, h] from the last span -> logits [b, t, V] (final norm, then lm_head)."""
+        """Hidden states [b, t, h] from the last span (any device) -> logits [b, t, V] on the head's device
+        (final norm, then lm_head)."""
         if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
             raise StoreError(f"logits: hidden must be [batch, tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
-        return self.lm_head(self.norm(hidden.to(self.dtype)))
+        return self.lm_head(self.norm(hidden.to(device=self.device, dtype=self.dtype)))
 
 
 class SpanModule(nn.Module):
@@ -85,7 +93,7 @@ class SpanModule(nn.Module):
         self.end = end
         self.hidden_size = int(config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.rotary_emb = adapter.new_rotary(config)
+        self.rotary_emb = adapter.new_rotary(config).to(next(self.layers.parameters()).device)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self._layer_types = [layer_types[i] for i in range(start, end)]
         self._sliding_window = getattr(config, "sliding_window", None)
@@ -95,6 +103,11 @@ class SpanModule(nn.Module):
     def dtype(self) -> torch.dtype:
         """Weight dtype of the span (inputs are cast to it)."""
         return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the span computes (inputs are moved there; its caches fill there)."""
+        return next(self.parameters()).device
 
     def sub(self, start: int, end: int) -> SpanModule:
         """Layers [start, end) of this span as a span of their own, sharing the weights (no copy)."""
@@ -106,21 +119,24 @@ class SpanModule(nn.Module):
         return SpanModule(self.adapter, self.config, start, end, layers)
 
     def new_cache(self, max_length: int | None = None) -> SpanCache:
-        """An empty KV cache for this span (optionally refusing to grow past max_length positions)."""
+        """An empty KV cache for this span (optionally refusing to grow past max_length positions); its
+        buffers are allocated on the span's device in its dtype, as the layers hand it keys and values."""
         return SpanCache(self.start, self.end, max_length=max_length)
 
-    def _mask(self, kind: str, start_pos: int, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive mask [1, 1, t, start_pos+t]: causal over cache + window, plus the sliding window."""
+    def _mask(
+        self, kind: str, start_pos: int, t: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> torch.Tensor | None:
+        """Additive mask [1, 1, t, start_pos+t] on `device`: causal over cache + window, plus the sliding window."""
         if kind == "full_attention" and t == 1:
             return None  # one query sees every cached position
-        q_pos = torch.arange(start_pos, start_pos + t)[:, None]
-        k_pos = torch.arange(start_pos + t)[None, :]
+        q_pos = torch.arange(start_pos, start_pos + t, device=device)[:, None]
+        k_pos = torch.arange(start_pos + t, device=device)[None, :]
         allowed = k_pos <= q_pos
         if kind == "sliding_attention":
             if not self._sliding_window:
                 raise StoreError("sliding_attention layer but config.sliding_window is not set")
             allowed &= k_pos > q_pos - int(self._sliding_window)
-        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
 
@@ -132,6 +148,28 @@ class SpanModule(nn.Module):
                 raise StoreError("sliding_attention layer but config.sliding_window is not set")
             window = int(self._sliding_window)
         return tree_mask(start_pos, parents, hidden.dtype, sliding_window=window, device=hidden.device)
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        start_pos: int,
+        cache: SpanCache,
+        *,
+        commit: int | None = None,
+        parents: Sequence[int] | torch.Tensor | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """One window of a session, in inference mode: first commit the cache's last window (with
+        `keep`, its accepted path, root first, after `commit` = that window's start; without, a
+        truncation to `commit`; commit None leaves the cache as it is), then run `hidden` at
+        positions start_pos.. (a token tree with `parents`).
+
+        What a block peer does with every `Forward`, and a head serving a span itself with every window.
+        """
+        with torch.inference_mode():
+            if commit is not None:
+                cache.keep(commit, list(keep) if keep else [])
+            return self(hidden, start_pos, cache, parents)
 
     @torch.no_grad()
     def forward(
@@ -163,10 +201,10 @@ class SpanModule(nn.Module):
                 raise StoreError(f"span forward: tree has {len(tree)} parents but the window has {t} tokens")
             if is_chain(tree):
                 tree = None  # exactly the chain path: same mask, positions and kernels
-        hidden = hidden.to(self.dtype)
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
         if tree is None:
-            position_ids = torch.arange(start_pos, start_pos + t).unsqueeze(0).expand(b, t)
-            masks = {kind: self._mask(kind, start_pos, t, hidden.dtype) for kind in set(self._layer_types)}
+            position_ids = torch.arange(start_pos, start_pos + t, device=hidden.device).unsqueeze(0).expand(b, t)
+            masks = {kind: self._mask(kind, start_pos, t, hidden.dtype, hidden.device) for kind in set(self._layer_types)}
         else:
             position_ids = tree_position_ids(start_pos, tree, device=hidden.device).expand(b, t)
             masks = {kind: self._tree_mask(kind, start_pos, tree, hidden) for kind in set(self._layer_types)}

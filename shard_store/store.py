@@ -21,12 +21,20 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 
+Device = torch.device | str | None
+Dtype = torch.dtype | str | None
+
+
 class Store:
     """A model store on disk. Every file read is size-checked against the manifest; with
     verify=True every file is also re-hashed when the store is opened.
 
     Weights are memory-mapped (safetensors), so loading is near-instant, pages are read on first
     use, and several peers on one machine serving the same store share the page cache.
+
+    Every loader takes a `device` (default the CPU) and a compute `dtype` (default the store's):
+    weights are cast and moved once at load, so a bfloat16 store can compute in float32 and a
+    float32 store in bfloat16. On the CPU in the store's dtype nothing is copied (still mmap).
     """
 
     def __init__(self, path: str | Path, verify: bool = False) -> None:
@@ -113,6 +121,19 @@ class Store:
             raise StoreError(f"span [{start}, {end}) is not inside the model's layers [0, {self.num_layers})")
 
     # ---- loading ---------------------------------------------------------------------------
+    def _placement(self, device: Device, dtype: Dtype) -> tuple[torch.device, torch.dtype]:
+        """The loaders' (device, dtype): the CPU and the store's dtype unless given."""
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dtype is None:
+            return dev, self.dtype
+        return dev, torch_dtype(dtype) if isinstance(dtype, str) else dtype
+
+    def _read_to(
+        self, relpath: str, expected: set[str], device: torch.device, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """`_read`, then cast and move every tensor (a no-op without a copy when nothing changes)."""
+        return {k: v.to(device=device, dtype=dtype) for k, v in self._read(relpath, expected).items()}
+
     def _assign(self, module: nn.Module, tensors: dict[str, torch.Tensor], relpath: str) -> None:
         """Load file tensors into a meta-initialised module without copying."""
         try:
@@ -120,16 +141,17 @@ class Store:
         except RuntimeError as exc:
             raise StoreError(f"store {self.path}: {relpath} does not fit the model: {exc}") from exc
 
-    def load_head(self) -> HeadModule:
-        """Embeddings, final norm and lm_head; reads embed.safetensors and head.safetensors only."""
+    def load_head(self, *, device: Device = None, dtype: Dtype = None) -> HeadModule:
+        """Embeddings, final norm and lm_head on `device` in `dtype`; reads embed.safetensors and head.safetensors only."""
+        dev, dt = self._placement(device, dtype)
         config = self.config()
         head_keys = {"norm.weight"} if self.manifest.tied_embeddings else {"norm.weight", "lm_head.weight"}
-        embed_t = self._read(EMBED_FILE, {"embed_tokens.weight"})
-        head_t = self._read(HEAD_FILE, head_keys)
+        embed_t = self._read_to(EMBED_FILE, {"embed_tokens.weight"}, dev, dt)
+        head_t = self._read_to(HEAD_FILE, head_keys, dev, dt)
         with torch.device("meta"):
-            embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=self.dtype)
-            norm = self.adapter.new_norm(config).to(self.dtype)
-            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype)
+            embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dt)
+            norm = self.adapter.new_norm(config).to(dt)
+            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dt)
         self._assign(embed, {"weight": embed_t["embed_tokens.weight"]}, EMBED_FILE)
         self._assign(norm, {"weight": head_t["norm.weight"]}, HEAD_FILE)
         if self.manifest.tied_embeddings:
@@ -138,46 +160,49 @@ class Store:
             self._assign(lm_head, {"weight": head_t["lm_head.weight"]}, HEAD_FILE)
         return HeadModule(embed, norm, lm_head, config)
 
-    def _layer(self, config: PretrainedConfig, index: int) -> nn.Module:
-        """Build decoder layer `index` on the meta device and assign its stored weights."""
+    def _layer(self, config: PretrainedConfig, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """Build decoder layer `index` on the meta device and assign its stored weights (cast, moved)."""
         relpath = layer_file(index)
         with torch.device("meta"):
-            layer = self.adapter.new_decoder_layer(config, index).to(self.dtype)
+            layer = self.adapter.new_decoder_layer(config, index).to(dtype)
         expected = set(layer.state_dict())
-        self._assign(layer, self._read(relpath, expected), relpath)
+        self._assign(layer, self._read_to(relpath, expected, device, dtype), relpath)
         return layer
 
-    def load_span(self, start: int, end: int) -> SpanModule:
-        """Decoder layers [start, end) only: reads and holds just those layers' files."""
+    def load_span(self, start: int, end: int, *, device: Device = None, dtype: Dtype = None) -> SpanModule:
+        """Decoder layers [start, end) only, on `device` in `dtype`: reads and holds just those layers' files."""
         self._check_span(start, end)
+        dev, dt = self._placement(device, dtype)
         config = self.config()
-        layers = [self._layer(config, i) for i in range(start, end)]
+        layers = [self._layer(config, i, dev, dt) for i in range(start, end)]
         return SpanModule(self.adapter, config, start, end, layers)
 
-    def load_full(self) -> PreTrainedModel:
-        """The whole model as a transformers causal LM (eval, CPU), e.g. for a local draft model."""
+    def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:
+        """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model."""
         from transformers import AutoModelForCausalLM
 
+        dev, dt = self._placement(device, dtype)
         config = self.config()
-        config.dtype = self.dtype
+        config.dtype = dt
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dt)
         a = self.adapter
         state: dict[str, torch.Tensor] = {}
-        state[a.embed_key] = self._read(EMBED_FILE, {"embed_tokens.weight"})["embed_tokens.weight"]
+        state[a.embed_key] = self._read_to(EMBED_FILE, {"embed_tokens.weight"}, dev, dt)["embed_tokens.weight"]
         head_keys = {"norm.weight"} if self.manifest.tied_embeddings else {"norm.weight", "lm_head.weight"}
-        head_t = self._read(HEAD_FILE, head_keys)
+        head_t = self._read_to(HEAD_FILE, head_keys, dev, dt)
         state[a.norm_key] = head_t["norm.weight"]
         state[a.lm_head_key] = head_t.get("lm_head.weight", state[a.embed_key])
         for i in range(self.num_layers):
             prefix = f"{a.layer_prefix}{i}."
             expected = {k[len(prefix) :] for k in model.state_dict() if k.startswith(prefix)}
-            for key, tensor in self._read(layer_file(i), expected).items():
+            for key, tensor in self._read_to(layer_file(i), expected, dev, dt).items():
                 state[prefix + key] = tensor
         self._assign(model, state, "the weight files")
         if self.manifest.tied_embeddings:
             model.lm_head.weight = model.get_input_embeddings().weight
         _rebuild_meta_buffers(model, config)
+        model.to(dev)  # the rebuilt rotary buffers (weights are there already)
         model.eval()
         return model
 

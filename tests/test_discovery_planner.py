@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from dsd.discovery.planner import NoRouteError, choose_blocks, format_blocks, plan_route
+from dsd.discovery.planner import (
+    NoRouteError,
+    choose_blocks,
+    format_blocks,
+    plan_route,
+    remote_blocks,
+)
 from dsd.discovery.records import PeerRecord
 
 
@@ -135,3 +141,70 @@ def test_choose_blocks_picks_least_covered_span() -> None:
     assert choose_blocks([rec("me", 0, 5)], 10, 5) == (5, 10)
     with pytest.raises(ValueError, match="n_blocks"):
         choose_blocks([], 4, 5)
+
+
+def test_a_head_serving_the_first_layers_has_only_the_rest_routed() -> None:
+    # the head serves 0:3 itself: a (0-3) is of no use, the ring starts at block 3 and leaves the head for b
+    recs = [rec("a", 0, 3), rec("b", 2, 6), rec("c", 6, 8)]
+    rtts = {"a": 0.001, "b": 0.010, "c": 0.020}
+    plan = plan_route(recs, rtts, 8, blocks=(3, 8))
+    assert spans(plan) == [("b", 3, 6), ("c", 6, 8)]
+    # head->b is a whole one-way link (5 ms), b->c the estimate (10+20)/4, c->head whole (10 ms)
+    first, last = plan.hops
+    assert first.link_in_s == pytest.approx(0.005) and last.link_out_s == pytest.approx(0.010)
+    assert first.link_out_s + last.link_in_s == pytest.approx((0.010 + 0.020) / 4)
+    assert first.compute_s == pytest.approx(8 * 3 / (4 * 1000))  # 3 of b's 4 blocks
+    # blocks outside the range need no peer: nothing serves 0:2 here, yet 2:8 is routed
+    assert spans(plan_route(recs[1:], rtts, 8, blocks=(2, 8))) == [("b", 2, 6), ("c", 6, 8)]
+    with pytest.raises(NoRouteError) as err:
+        plan_route([recs[0], recs[2]], rtts, 8, blocks=(3, 8))
+    assert err.value.missing_blocks == [3, 4, 5]
+
+
+def test_a_head_serving_the_last_layers_has_the_ring_end_before_them() -> None:
+    recs = [rec("a", 0, 4), rec("b", 4, 8), rec("whole", 0, 8, tput=10.0)]
+    plan = plan_route(recs, {"a": 0.01, "b": 0.01, "whole": 0.01}, 8, blocks=(0, 4))
+    assert spans(plan) == [("a", 0, 4)]
+    assert plan.hops[0].link_in_s == plan.hops[0].link_out_s == pytest.approx(0.005)
+
+
+def test_remote_blocks_is_the_range_left_to_route() -> None:
+    assert remote_blocks((0, 2), 5) == (2, 5)
+    assert remote_blocks((3, 5), 5) == (0, 3)
+    with pytest.raises(ValueError, match="first layers .* or the last ones"):
+        remote_blocks((1, 3), 5)
+    with pytest.raises(ValueError, match="every layer"):
+        remote_blocks((0, 5), 5)
+    with pytest.raises(ValueError, match="0 <= START < END <= 5"):
+        remote_blocks((4, 6), 5)
+    with pytest.raises(ValueError, match="inside 0..5"):
+        plan_route([rec("a", 0, 5)], {"a": 0.01}, 5, blocks=(3, 3))
+
+
+def test_plan_over_a_range_is_optimal_against_brute_force() -> None:
+    import itertools
+    import random
+
+    rng = random.Random(11)
+    n, first = 7, 2
+    for _ in range(20):
+        recs = []
+        for i in range(5):
+            s = rng.randrange(0, n)
+            recs.append(rec(f"p{i}", s, rng.randrange(s + 1, n + 1), tput=rng.choice([50.0, 500.0, 5000.0])))
+        recs.append(rec("cover", 0, n, tput=20.0))
+        rtts = {r.peer_id: rng.uniform(0.001, 0.1) for r in recs}
+        plan = plan_route(recs, rtts, n, blocks=(first, n))
+        assert plan.hops[0].start == first and plan.hops[-1].end == n
+        best = float("inf")
+        for cuts in itertools.product([0, 1], repeat=n - first - 1):
+            bounds = [first] + [first + i + 1 for i, c in enumerate(cuts) if c] + [n]
+            segs = list(zip(bounds, bounds[1:], strict=False))
+            for pick in itertools.product(*[[r for r in recs if r.start <= s and e <= r.end] for s, e in segs]):
+                total = 0.0
+                for k, (r, (s, e)) in enumerate(zip(pick, segs, strict=True)):
+                    one = rtts[r.peer_id] / 2
+                    total += (one if k == 0 else one / 2) + (one if k == len(segs) - 1 else one / 2)
+                    total += 8 * (e - s) / (r.num_blocks * r.throughput) + 0.0005
+                best = min(best, total)
+        assert plan.est_round_s == pytest.approx(best, abs=1e-8)

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from dsd.node.server.ledger import ServerLimits
 
-from .options import DEFAULT_IDENTITY, add_wan_options, link_profile, read_allow_list
+from .options import (
+    DEFAULT_IDENTITY,
+    add_device_options,
+    add_wan_options,
+    link_profile,
+    read_allow_list,
+)
+from .store import add_fetch_options, fetch_request
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     role = p.add_mutually_exclusive_group(required=True)
     role.add_argument("--store", type=Path, help="model store to serve layers from (see `dsd-node convert`)")
     role.add_argument("--bootstrap-only", action="store_true", help="serve only the DHT, as a bootstrap node")
+    role.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch this model's manifest and the files of the span to serve from peers (needs --manifest-sha256), then serve them")
     p.add_argument("--blocks", default="auto", help="layers to serve, START:END (half-open) or auto (least-covered span; default)")
     p.add_argument("--num-blocks", type=int, default=None, help="with --blocks auto: how many layers to serve (default: what --memory-gb allows, else all)")
-    p.add_argument("--memory-gb", type=float, default=None, help="with --blocks auto: weight memory this peer may use; picks how many layers to serve")
+    p.add_argument("--memory-gb", type=float, default=None, help="device memory this peer may fill with weights (in --dtype) + its --kv-budget of KV cache + activations: --blocks auto serves as many layers as fit, a span that does not fit is refused (default: on a GPU 90%% of its free memory, on the CPU unaccounted)")
     p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help="listen address (default /ip4/127.0.0.1/tcp/0)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="a peer to join the swarm through (repeatable)")
     p.add_argument("--identity", type=Path, default=DEFAULT_IDENTITY, metavar="KEYFILE", help=f"private key file, created with mode 0600 (default {DEFAULT_IDENTITY})")
@@ -30,16 +38,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-budget", type=int, default=ServerLimits.kv_budget_tokens, metavar="TOKENS", help="KV cache tokens reserved across sessions")
     p.add_argument("--max-len", type=int, default=ServerLimits.max_len, metavar="TOKENS", help="longest session this peer accepts")
     p.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout_s, metavar="S", help="free a session after S seconds without a message")
-    p.add_argument("--codec", choices=("raw", "fp16", "bf16", "int8"), default="raw", help="hidden-state codec on the wire (raw is exact)")
+    p.add_argument("--codec", choices=("auto", "raw", "fp16", "bf16", "int8"), default="auto", help="hidden-state codec on the wire (default auto: the compute dtype's, exact: raw for float32, bf16/fp16 for half precision)")
     p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this peer's Prometheus metrics at http://HOST:P/metrics (sessions, forward step times by window size, bytes, KV tokens, errors by code); 0 = any free port, its URL goes to --ready-file (default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address --metrics-port listens on (default 127.0.0.1: this machine only)")
     fed = p.add_argument_group("federated worker (SpecFed)")
     fed.add_argument("--federated", action="store_true", help="load the whole model of --store and answer draft windows with top-K distributions")
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="largest K this worker returns (default: the vocabulary size)")
     fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16", help="probability codec of the top-K answers")
+    add_device_options(p)
     add_wan_options(p)
+    add_fetch_options(p, model_help=None)
     p.set_defaults(func=cmd_start)
 
     r = sub.add_parser("route", help="list the peers serving a model and the route a head would choose")
@@ -54,8 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_start(args: argparse.Namespace) -> int:
     import trio
 
+    from dsd.node.fetch.fetch import FetchError
     from dsd.node.peer.daemon import DaemonConfig, run_daemon
     from dsd.protocol import WireFormat
+    from dsd.shard_store import StoreError
 
 
     cfg = DaemonConfig(
@@ -63,6 +77,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
         bootstrap=args.bootstrap,
         store=None if args.bootstrap_only else args.store,
+        fetch=fetch_request(args) if args.model else None,
         blocks=args.blocks,
         num_blocks=args.num_blocks,
         memory_gb=args.memory_gb,
@@ -74,6 +89,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             idle_timeout_s=args.idle_timeout,
         ),
         wire=WireFormat(args.codec, args.zstd),
+        device=args.device,
+        dtype=args.dtype,
         threads=args.threads,
         ready_file=args.ready_file,
         allow_peers=read_allow_list(args.allow_peers),
@@ -81,9 +98,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         federated=args.federated,
         topk_cap=args.topk_cap,
         topk_codec=args.topk_codec,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
-    if args.federated and cfg.store is None:
-        print("dsd-node: --federated needs --store (the whole model the worker serves)", file=sys.stderr)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        print(f"dsd-node: --metrics-port must be in 0..65535, got {args.metrics_port}", file=sys.stderr)
+        return 2
+    if args.federated and cfg.store is None and cfg.fetch is None:
+        print("dsd-node: --federated needs --store or --model (the whole model the worker serves)", file=sys.stderr)
         return 2
     if args.topk_cap is not None and args.topk_cap < 1:
         print(f"dsd-node: --topk-cap must be >= 1, got {args.topk_cap}", file=sys.stderr)
@@ -93,7 +115,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         return 2
     try:
         trio.run(run_daemon, cfg)
-    except ValueError as exc:
+    except (ValueError, StoreError, FetchError) as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .models import prepare_with_progress
+from .options import add_device_options, fail
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,9 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens; HumanEval's stop strings end it earlier")
     p.add_argument("--state", type=Path, default=Path(".dsd/demo"), help="testnet state directory (default .dsd/demo)")
     p.add_argument("--modes", default="ar,dsd", help="comma-separated modes to compare (default ar,dsd)")
-    p.add_argument("--draft-quant", choices=("none", "int8"), default="int8", help="the draft's quantization (default int8: 4.9x faster steps, same acceptance in bench/draft_quant.py)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default=None, help="the draft's quantization (default: int8 on the CPU, 4.9x faster steps, same acceptance in bench/draft_quant.py; none on a GPU, where int8 does not run)")
     p.add_argument("--results", type=Path, default=None, help="where to write the result JSON (default bench/results/demo-DATE.json)")
     p.add_argument("--json", action="store_true", help="also print the reports as one JSON object")
+    add_device_options(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -33,21 +35,31 @@ def say(msg: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from dsd.node.head.drafters import check_quant_device
     from dsd.node.testnet.demo import DemoSpec, run_demo
+    from dsd.shard_store import StoreError
     from dsd.shard_store.default_models import default_store_paths
+    from dsd.shard_store.devices import resolve_placement
 
+    try:
+        place = resolve_placement(args.device, args.dtype)
+        quant = args.draft_quant or ("int8" if place.device.type == "cpu" else "none")
+        check_quant_device(quant, place.device)
+    except (StoreError, ValueError) as exc:
+        return fail(str(exc))
     if args.target is None:
-        say("== the default model pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft)")
-        rc = prepare_with_progress(args.cache, "float32")
+        say(f"== the default model pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft), stored in {place.dtype_name}")
+        rc = prepare_with_progress(args.cache, place.dtype_name)  # the store in the compute dtype: no cast at load
         if rc:
             return rc
-        paths = default_store_paths(args.cache)
+        paths = default_store_paths(args.cache, place.dtype_name)
         target, draft = paths["target"], args.draft or str(paths["draft"])
     else:
         target, draft = args.target, args.draft or "ngram"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     spec = DemoSpec(target=target, draft=draft, state=args.state, peers=args.peers, ratio=args.ratio,
-                    problem=args.problem, max_new_tokens=args.max_new_tokens, modes=modes, draft_quant=args.draft_quant)
+                    problem=args.problem, max_new_tokens=args.max_new_tokens, modes=modes, draft_quant=quant,
+                    device=args.device, dtype=args.dtype)
     result = run_demo(spec, say)
     out = args.results or Path("bench/results") / f"demo-{time.strftime('%Y-%m-%d')}.json"
     result.save(out, spec)

@@ -11,13 +11,16 @@ from typing import Any
 from dsd.node.head.deadline import DeadlineRule
 from dsd.node.head.modes import MODE_HELP, MODES
 
-from .options import add_wan_options, fail, link_profile
+from .options import add_device_options, add_wan_options, fail, link_profile
+from .store import add_fetch_options, fetched_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
     p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
-    p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--store", type=Path, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
+    target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")
     p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="draft model store; ngram for model-free prompt lookup (default; with --federated the default is the --store model); or DRAFT_STORE+ngram (also ngram+DRAFT_STORE): prompt lookup when the context's tail repeats earlier text, the draft model otherwise")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers after loading: int8 = torch dynamic int8, faster on CPU; the target still decides every token (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
@@ -34,11 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma-max", type=int, default=16)
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY; 0 = lossless)")
     p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
-    p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="drafted nodes of a token-tree window (at most 63; default auto: the window controller picks a tree or a chain from measured round times and acceptance; 0 = always chains); trees need a draft model and block peers")
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="drafted nodes of a token-tree window (at most 63; default auto: the window controller picks a tree or a chain from measured round times and acceptance; 0 = always chains); trees need a draft model (block peers and federated workers both run them)")
+    p.add_argument("--blocks", default=None, metavar="A:B", help="layers the head serves itself, the model's first (0:B) or last (A:L) ones, from its --store (which must hold those layer files): the route covers the others, one peer and one link crossing fewer (not with --federated)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    add_device_options(p)
     add_wan_options(p)
+    add_fetch_options(p, model_help=None)
     d = p.add_argument_group("failure detection (docs/failures.md)")
     d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds of its size (default {DeadlineRule.k:g})")
     d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
@@ -114,20 +120,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import encode_prompt, eos_ids, load_head_setup
     from dsd.node.head.streaming import TextStreamer
-    from dsd.node.peer.head import GenerationFailed, generate_text
+    from dsd.node.peer.head import GenerationFailed, generate_text, load_head_span
     from dsd.shard_store import Store, StoreError
+    from dsd.shard_store.devices import resolve_placement
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.federated and args.mode == "ar":
         return fail("--federated drafts by design; use --mode sd or dsd")
+    if args.model:  # fetch the head's files (and --blocks' layers; the whole model when it is the federated draft)
+        args.store = fetched_store(args, "all" if args.federated and not args.draft else args.blocks)
     draft = args.draft or (str(args.store) if args.federated else "ngram")
-    if args.tree_nodes and args.mode != "ar" and (args.federated or "ngram" in draft.split("+")):
-        return fail("--tree-nodes N needs a draft model store without ngram and block peers (not --federated); use auto or 0")
+    if args.tree_nodes and args.mode != "ar" and "ngram" in draft.split("+"):
+        return fail("--tree-nodes N needs a draft model store without ngram; use auto or 0")
+    if args.blocks and args.federated:
+        return fail("--blocks serves layers for a route of block peers; federated workers hold whole models")
     try:
+        place = resolve_placement(args.device, args.dtype)  # one line and no loading when the device is not there
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated,
-                                           quant=args.draft_quant)
+                                           quant=args.draft_quant, device=place.device, dtype=place.dtype)
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
@@ -136,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tree_nodes=args.tree_nodes,
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
+        local_span = load_head_span(Store(args.store), args.blocks, device=place.device, dtype=place.dtype) if args.blocks else None
     except (ValueError, StoreError, OSError) as exc:
         return fail(str(exc))
     streamer = TextStreamer(tokenizer, cfg.stop_strings) if tokenizer is not None and not args.json else None
@@ -152,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: generate_text(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
-            on_tokens=on_tokens, federated=federated,
+            on_tokens=on_tokens, federated=federated, local_span=local_span,
         ))
     except GenerationFailed as exc:
         print(f"\ndsd-node: generation failed after {len(exc.tokens)} tokens: {exc}", file=sys.stderr)
@@ -160,6 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({**exc.report, "tokens": exc.tokens, "text": text_of(exc.tokens), "error": str(exc)}))
         return 1
     report["text"] = text_of(report["tokens"])
+    report.update(device=str(place.device), dtype=place.dtype_name)
     if args.json:
         print(json.dumps(report))
     else:

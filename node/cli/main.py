@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from . import daemon, demo, generate, models, store, testnet, workers
+from . import daemon, demo, generate, models, serve, store, testnet, workers
 
 # Each module defines `register(subparsers)` and owns one group of subcommands.
 COMMAND_MODULES = (
@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     daemon,  # start, route
     testnet,  # testnet up/down/status
     generate,  # generate (over a route, or --federated)
+    serve,  # serve: the head as an OpenAI-compatible HTTP service
     workers,  # workers (federated mode)
     demo,  # demo: the main job end to end
 )

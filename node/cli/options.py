@@ -1,4 +1,4 @@
-"""Options several commands share: the emulated WAN, the allow list, the default identity file."""
+"""Options several commands share: the emulated WAN, device and dtype, the allow list, the default identity file."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def add_wan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wan-latency-ms", type=float, default=0.0, metavar="MS", help="one-way latency added to every frame this process sends")
     g.add_argument("--wan-jitter-ms", type=float, default=0.0, metavar="MS", help="uniform jitter (± MS, at most the latency)")
     g.add_argument("--wan-mbit", type=float, default=None, metavar="MBIT", help="bandwidth cap of each link in megabit/s")
+
+
+# Spelled out so `--help` loads no torch; tests check they match dsd.shard_store.devices.
+DEVICE_HELP = "auto|cpu|cuda|cuda:N|mps"
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype`: where this process computes and in which dtype (resolved by
+    `dsd.shard_store.devices.resolve_placement(args.device, args.dtype)`)."""
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default="auto", metavar=DEVICE_HELP, help="where models compute: auto = CUDA, else Apple MPS, else the CPU (default auto)")
+    g.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto", help="compute dtype, whatever the store holds (cast at load): auto = bfloat16 on CUDA GPUs that support it, float16 on other GPUs, float32 on the CPU (bit-exact; default auto)")
 
 
 def link_profile(args: argparse.Namespace) -> LinkProfile:

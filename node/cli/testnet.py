@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .options import add_wan_options, fail, link_profile
+from .options import add_device_options, add_wan_options, fail, link_profile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,16 +20,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--replicas", type=int, default=1, help="peers per span: the layers are split into PEERS/REPLICAS spans")
     up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
     up.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
-    up.add_argument("--codec", choices=("raw", "fp16", "bf16", "int8"), default="raw")
+    up.add_argument("--codec", choices=("auto", "raw", "fp16", "bf16", "int8"), default="auto", help="the peers' hidden-state codec (default auto: the compute dtype's, exact)")
     up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
     up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
+    up.add_argument("--metrics", action="store_true", help="every daemon serves its Prometheus metrics on a free 127.0.0.1 port (start --metrics-port 0); the URLs are in the state")
     fed = up.add_argument_group("federated mode: whole-model workers instead of block peers")
     fed.add_argument("--federated", action="store_true", help="start one federated worker per store (--store, --store2 or --worker-stores)")
     fed.add_argument("--store2", type=Path, default=None, help="a second worker's store (same vocabulary)")
     fed.add_argument("--worker-stores", default=None, metavar="A,B,...", help="the workers' stores, one worker each")
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="every worker's K cap")
     fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16")
+    add_device_options(up)
     add_wan_options(up)
     up.set_defaults(func=cmd_up)
 
@@ -55,6 +57,7 @@ def spec_of(args: argparse.Namespace):
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
         codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
+        device=args.device, dtype=args.dtype, metrics=args.metrics,
     )
 
 

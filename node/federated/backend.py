@@ -9,6 +9,11 @@ stream order (late answers are discarded by (epoch, start)), so it rejoins when 
 up again; after `max_misses` consecutive misses it is dropped for the rest of the
 generation. A worker whose stream fails is dropped at once. Generation goes on while at
 least one worker answers.
+
+Token trees: a window with `parents` goes to every worker whole, asking for every node's
+top-K (a row per node, in window order), and the next window commits its accepted path with
+`keep`, as on a route of block peers; the engine verifies the tree against the aggregate's
+rows like any other probability rows (`supports_trees`).
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class FederatedBackend:
     """
 
     returns_probs = True
+    supports_trees = True
 
     def __init__(
         self,
@@ -190,6 +196,7 @@ class FederatedBackend:
         self.aggregate_s = 0.0
         self._window: _Window | None = None
         self._wake = trio.Event()
+        self._closing = False  # set when the sessions are closed: a stream ending then is no failure
 
     # --- lifecycle --------------------------------------------------------
 
@@ -216,6 +223,7 @@ class FederatedBackend:
             raise
 
     async def _close_all(self) -> None:
+        self._closing = True
         async with trio.open_nursery() as n:
             for link in self.links:
                 n.start_soon(self._close_link, link)
@@ -272,7 +280,7 @@ class FederatedBackend:
                     raise FederatedError(f"worker error {msg.code}: {msg.message}")
                 self._notify()
         except Exception as exc:  # EOF, reset, bad frame, worker error
-            if link.state == "active":
+            if link.state == "active" and not self._closing:
                 link.state = "failed"
                 link.reason = str(exc) if isinstance(exc, FederatedError) else f"stream ended: {type(exc).__name__}: {exc}"
                 self.drops += 1
@@ -285,29 +293,36 @@ class FederatedBackend:
 
     # --- TargetBackend ----------------------------------------------------
 
-    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int) -> None:
-        """Broadcast the window to every active worker; a prefill (start 0) asks for its last row only."""
+    async def submit(
+        self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+    ) -> None:
+        """Broadcast the window to every active worker; a prefill (start 0) asks for its last row only,
+        a token tree (`parents`) for every node. `keep` (with commit = the last tree's start) names that
+        tree's accepted nodes, root first: every worker keeps just those KV rows."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("a window needs at least one token")
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        rows = 1 if start == 0 else len(tokens)
-        if rows > PREFILL_CHUNK:
+        tree = None if parents is None else tuple(int(p) for p in parents)
+        rows = 1 if start == 0 and tree is None else len(tokens)
+        if rows > PREFILL_CHUNK or (tree is not None and len(tokens) > PREFILL_CHUNK):
             raise ValueError(f"a draft window holds at most {PREFILL_CHUNK} tokens, got {len(tokens)}")
         msgs: list[DraftWindow] = []
-        at, first_commit = 0, commit
+        at, first_commit, first_keep = 0, commit, None if keep is None else tuple(int(i) for i in keep)
         while len(tokens) - at > PREFILL_CHUNK:  # long prompts: chunks whose answers are ignored
-            msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, tuple(tokens[at : at + PREFILL_CHUNK]), 1, 1.0))
+            msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, tuple(tokens[at : at + PREFILL_CHUNK]), 1, 1.0,
+                                    keep=first_keep))
             at += PREFILL_CHUNK
-            first_commit = None
+            first_commit = first_keep = None
         rest = tuple(tokens[at:])
         k = min(self.top_k, self.vocab_size) if self.top_k is not None else self.vocab_size
         # Workers apply the temperature only; top-k and top-p apply to the aggregate, in that order
         # (the engine verifies against warp(log p̂, top_k, top_p) at temperature 1).
         msgs.append(DraftWindow(self.id, epoch, start + at, first_commit, rest, k, self.params.temperature,
-                                1.0, rows=min(rows, len(rest))))
+                                1.0, rows=min(rows, len(rest)), parents=tree, keep=first_keep))
         targets = self.active
         if not targets:
             raise FederatedError(self._none_left())

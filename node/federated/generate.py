@@ -32,7 +32,7 @@ async def generate_federated(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> dict[str, Any]:
     """One federated generation: open the workers, run the head engine over them, return the `--json` report."""
-    max_len = len(prompt) + cfg.max_new_tokens + cfg.gamma_max + 2
+    max_len = len(prompt) + cfg.max_new_tokens + cfg.max_window_nodes + 2  # a tree window's nodes all take KV rows
     async with open_federated_backend(
         node, workers, vocab_size=vocab_size, params=cfg.params, max_len=max_len, top_k=top_k, weights=weights,
         method=method, window_timeout_s=window_timeout_s, deadline=cfg.deadline,

@@ -104,7 +104,7 @@ def window_topk(
     with torch.inference_mode():
         hidden = head.embed(torch.tensor([list(tokens)], dtype=torch.long))
         hidden = span(hidden, start, cache, parents)
-        logits = head.logits(hidden[:, -rows:])[0].to(torch.float32)
+        logits = head.logits(hidden[:, -rows:])[0].to("cpu").to(torch.float32)
     params = SamplingParams(temperature=1.0) if temperature == 0 else SamplingParams(temperature=temperature, top_p=top_p)
     probs = warp(logits, params).numpy()
     ids, p = topk_from_probs(probs, min(top_k, probs.shape[1]))
@@ -123,6 +123,8 @@ class FederatedWorker:
         topk_cap: int | None = None,
         prob_codec: str = "fp16",
         limits: ServerLimits | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if prob_codec not in PROB_CODECS:
             raise ValueError(f"prob_codec must be one of {PROB_CODECS}, got {prob_codec!r}")
@@ -130,8 +132,8 @@ class FederatedWorker:
         self.store = store
         self.model_id = store.manifest.model_id
         self.num_layers = int(store.manifest.num_layers)
-        self.head: HeadModule = store.load_head()
-        self.span: SpanModule = store.load_span(0, self.num_layers)
+        self.head: HeadModule = store.load_head(device=device, dtype=dtype)
+        self.span: SpanModule = store.load_span(0, self.num_layers, device=device, dtype=dtype)
         self.vocab_size = int(self.head.vocab_size)
         if topk_cap is not None and not 1 <= topk_cap:
             raise ValueError(f"--topk-cap must be >= 1, got {topk_cap}")

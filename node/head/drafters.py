@@ -27,6 +27,7 @@ __all__ = [
     "HybridDrafter",
     "QUANT_MODES",
     "quantize_draft_model",
+    "check_quant_device",
     "check_vocab_compatible",
 ]
 
@@ -126,6 +127,14 @@ def _out_features(linear: Any) -> int:
     return int(rows) if rows is not None else int(linear.weight.shape[0])
 
 
+def check_quant_device(quant: str, device: torch.device | str | None) -> None:
+    """ValueError when `quant` cannot run on `device`: int8 drafting is torch's CPU-only dynamic quantization."""
+    dev = torch.device("cpu" if device is None else device)
+    if quant == "int8" and dev.type != "cpu":
+        raise ValueError(f"--draft-quant int8 is CPU-only (torch dynamic quantization) but the draft would run on {dev}; "
+                         "use --draft-quant none there (or --device cpu)")
+
+
 def quantize_draft_model(model: torch.nn.Module, quant: str) -> torch.nn.Module:
     """Apply `quant` ("none" or "int8") to a draft model in place and return it.
 
@@ -142,6 +151,7 @@ def quantize_draft_model(model: torch.nn.Module, quant: str) -> torch.nn.Module:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
     if quant == "none":
         return model
+    check_quant_device(quant, model.get_input_embeddings().weight.device)
     engines = set(torch.backends.quantized.supported_engines) - {"none"}
     if not engines:
         raise ValueError(f"this torch build ({torch.__version__}) has no quantized CPU engine for int8 drafting")

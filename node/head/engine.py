@@ -18,8 +18,9 @@ frontier of each layer in one batched draft forward) and verified in one trip
 as node i + 1; the next window names the accepted path with `keep` (root first) after
 `commit` = the tree's start, and every peer keeps just those KV rows. The controller
 picks the node budget (`window.py`); `GenerationConfig.tree_nodes` overrides it. Trees
-need a drafter with `dists_many` and a backend with a true `supports_trees`; otherwise
-(n-gram drafting, federated workers) windows are chains, exactly as before. While a
+need a drafter with `dists_many` and a backend with a true `supports_trees` (a route of block
+peers, federated workers, the local model); otherwise (n-gram drafting) windows are chains,
+exactly as before. While a
 tree is in flight, `dsd` pre-drafts chain branches for its likely outcomes (a leaf
 fully accepted, or a rejection below a node, at the draft's best tokens outside its
 children); a matched branch goes out as a chain window.
@@ -124,7 +125,7 @@ class HeadEngine:
         if cfg.mode != "ar" and cfg.tree_nodes and not can_tree:
             raise ValueError(
                 "tree windows need a draft model (not n-gram lookup) and a backend that runs trees "
-                "(a route of block peers or the local model; federated workers take chains only)"
+                "(a route of block peers, federated workers or the local model)"
             )
         self.trees = cfg.mode != "ar" and cfg.tree_nodes != 0 and can_tree
 

@@ -38,16 +38,10 @@ class LocalBackend:
         parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
     ) -> torch.Tensor:
         with torch.inference_mode():
-            for cache in self.caches:
-                if keep:
-                    cache.keep(commit, list(keep))
-                else:
-                    cache.truncate(commit)
-            if start != self.length:
-                raise ValueError(f"window starts at {start} but {self.length} tokens are cached")
             hidden = self.head.embed(torch.tensor([list(tokens)], dtype=torch.long))
             for span, cache in zip(self.spans, self.caches, strict=True):
-                hidden = span(hidden, start, cache, None if parents is None else list(parents))
+                hidden = span.step(hidden, start, cache, commit=commit, keep=keep,
+                                   parents=None if parents is None else list(parents))
             return hidden[0]
 
     async def submit(
@@ -60,4 +54,4 @@ class LocalBackend:
         assert self._pending is not None, "collect() before submit()"
         hidden, self._pending = self._pending, None
         with torch.inference_mode():
-            return self.head.logits(hidden[-rows:].unsqueeze(0))[0].to(torch.float32)
+            return self.head.logits(hidden[-rows:].unsqueeze(0))[0].to("cpu").to(torch.float32)

@@ -103,6 +103,7 @@ class GenerationResult:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "mean_accepted": round(self.mean_accepted, 4),
+            "accepted_per_round": list(self.accepted_per_round),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_trip": round(n / self.rounds, 4) if self.rounds else 0.0,
             "windows_after_prefill": self.windows_after_prefill,

@@ -12,7 +12,14 @@ import torch
 from dsd.shard_store import HeadModule, Manifest, Store
 from dsd.shard_store.writer import tokenizer_end_ids
 
-from .drafters import QUANT_MODES, HybridDrafter, ModelDrafter, NgramDrafter, quantize_draft_model
+from .drafters import (
+    QUANT_MODES,
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    check_quant_device,
+    quantize_draft_model,
+)
 from .engine import Drafter
 from .sampling import SamplingParams
 
@@ -50,12 +57,14 @@ def parse_draft(draft: str) -> tuple[str | None, bool]:
 
 
 def load_drafter(
-    draft: str | None, params: SamplingParams, seed: int, *, vocab_size: int, tokenizer: Any, quant: str = "none"
+    draft: str | None, params: SamplingParams, seed: int, *, vocab_size: int, tokenizer: Any, quant: str = "none",
+    device: torch.device | None = None, dtype: torch.dtype | None = None,
 ) -> Drafter | None:
     """The drafter a `--draft` value names (see `parse_draft`), or None (no drafting).
 
-    `quant` ("none" or "int8") is applied to the draft model after loading; a
-    draft with another vocabulary is refused.
+    The draft model loads on `device` in `dtype` (default: the CPU, its store's dtype). `quant`
+    ("none" or "int8") is applied to it after loading: int8 is CPU-only and computes in float32,
+    so it loads the draft in float32 whatever `dtype` says. A draft with another vocabulary is refused.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -66,23 +75,43 @@ def load_drafter(
         if quant != "none":
             raise ValueError(f"draft quantization {quant} needs a draft model store; ngram has no model")
         return NgramDrafter()
+    check_quant_device(quant, device)
     dstore = Store(Path(store))
-    model = quantize_draft_model(dstore.load_full(), quant)
-    drafter = ModelDrafter(model, params, torch.Generator().manual_seed(seed + 1))
+    model = quantize_draft_model(dstore.load_full(device=device, dtype=torch.float32 if quant == "int8" else dtype), quant)
+    drafter = ModelDrafter(model, params, draft_generator(seed))
     drafter.check_compatible(vocab_size, tokenizer, dstore.load_tokenizer())
     return HybridDrafter(drafter) if ngram else drafter
 
 
+def draft_generator(seed: int) -> torch.Generator:
+    """The draft model's sampling generator for a generation seeded `seed` (a stream apart from the verifier's)."""
+    return torch.Generator().manual_seed(seed + 1)
+
+
+def request_drafter(drafter: Drafter | None, params: SamplingParams, seed: int) -> Drafter | None:
+    """A drafter like `drafter` for one more generation: its own sampling settings, seed and draft cache,
+    the loaded draft model's weights shared. A long-lived head (`dsd-node serve`) loads the draft once and
+    runs concurrent generations with different settings; the stateless n-gram drafter is shared as is."""
+    if isinstance(drafter, HybridDrafter):
+        return HybridDrafter(ModelDrafter(drafter.model.model, params, draft_generator(seed)), drafter.ngram)
+    if isinstance(drafter, ModelDrafter):
+        return ModelDrafter(drafter.model, params, draft_generator(seed))
+    return drafter
+
+
 def load_head_setup(
     target_store: Path, draft: str | None, params: SamplingParams, seed: int, *, load_head: bool = True,
-    quant: str = "none",
+    quant: str = "none", device: torch.device | None = None, dtype: torch.dtype | None = None,
 ) -> tuple[HeadSetup, Any]:
-    """The target's ends (unless `load_head` is False), its tokenizer and the drafter (its model quantized by `quant`)."""
+    """The target's ends (unless `load_head` is False), its tokenizer and the drafter (its model quantized by
+    `quant`), on `device` in compute `dtype` (default: the CPU, each store's dtype; see
+    `dsd.shard_store.devices.resolve_placement` for the `--device` / `--dtype` options)."""
     store = Store(target_store)
     tokenizer = store.load_tokenizer()
-    head = store.load_head() if load_head else None
+    head = store.load_head(device=device, dtype=dtype) if load_head else None
     vocab_size = int(head.vocab_size) if head is not None else int(store.manifest.vocab_size)
-    drafter = load_drafter(draft, params, seed, vocab_size=vocab_size, tokenizer=tokenizer, quant=quant)
+    drafter = load_drafter(draft, params, seed, vocab_size=vocab_size, tokenizer=tokenizer, quant=quant,
+                           device=device, dtype=dtype)
     setup = HeadSetup(head=head, model_id=store.manifest.model_id, num_layers=int(store.manifest.num_layers),
                       drafter=drafter, vocab_size=vocab_size)
     return setup, tokenizer
@@ -102,9 +131,15 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None, ids: str | None = 
     if tokenizer is None:
         raise PromptError("this store has no tokenizer; use --prompt-ids")
     if chat:
-        msgs = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's turn."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this model's tokenizer has no chat template")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def chat_end_of_turn(tokenizer: Any) -> set[int]:

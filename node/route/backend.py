@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import trio
 
-from dsd.shard_store import HeadModule
+from dsd.discovery.planner import remote_blocks
+from dsd.shard_store import HeadModule, SpanModule
 
 from .errors import RouteError
 from .keeper import RouteKeeper
@@ -35,15 +37,37 @@ class RouteBackend:
     Token trees: a window with `parents` goes out whole (at most 64 nodes), and the
     next one commits its accepted path with `keep`. A replay sends the committed
     tokens as a chain, then the tree window in flight again on the new route.
+
+    A co-located head (`local`, a span it serves itself: the model's first layers or its last
+    ones) runs every window through that span with its own KV cache, exactly as a block peer
+    does (`SpanModule.step`: commit or keep the last window, then run the window or tree):
+    the first layers before the window goes out, the last ones on each result before the
+    logits. The keeper routes only the other layers. A replay after a failover starts again
+    at position 0 with commit 0, so the local span's cache is rebuilt with the new route's.
     """
 
     supports_trees = True
 
-    def __init__(self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128) -> None:
+    def __init__(
+        self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128,
+        local: SpanModule | None = None,
+    ) -> None:
         self.head = head
         self.keeper = keeper
         self.timeout_s = timeout_s
         self.replay_chunk = replay_chunk
+        self.local = local
+        self._local_cache = local.new_cache() if local is not None else None
+        self._local_first = local is not None and local.start == 0
+        # With the last layers local: the windows sent on this route whose results have not come back
+        # yet, as (start, commit, parents, keep), oldest first; results arrive in that order.
+        self._tail_windows: deque[tuple[int, int | None, Sequence[int] | None, Sequence[int] | None]] = deque()
+        if local is not None:
+            num_layers = int(local.config.num_hidden_layers)
+            routed = remote_blocks((local.start, local.end), num_layers)
+            if keeper.blocks != routed:
+                raise ValueError(f"the head serves blocks {local.start}:{local.end}: the route must serve "
+                                 f"{routed[0]}:{routed[1]}, not {keeper.blocks}")
         self._limiter = trio.CapacityLimiter(1)
         self.head_compute_s = 0.0
         self._prefix: list[int] = []  # committed tokens the peers hold before the window in flight
@@ -57,23 +81,55 @@ class RouteBackend:
         assert self.keeper.session is not None
         return self.keeper.session
 
-    def _embed(self, tokens: Sequence[int]) -> np.ndarray:
+    def _rows_out(
+        self, tokens: Sequence[int], start: int, commit: int | None,
+        parents: Sequence[int] | None, keep: Sequence[int] | None,
+    ) -> np.ndarray:
+        """The window's hidden states as they leave the head: embedded, and through its own first layers if it serves them."""
         with torch.inference_mode():
-            ids = torch.tensor([list(tokens)], dtype=torch.long)
-            return self.head.embed(ids)[0].to(torch.float32).numpy()
+            hidden = self.head.embed(torch.tensor([list(tokens)], dtype=torch.long))
+        if self._local_first:
+            assert self.local is not None and self._local_cache is not None
+            hidden = self.local.step(hidden, start, self._local_cache, commit=commit, parents=parents, keep=keep)
+        return hidden[0].to("cpu").to(torch.float32).numpy()
+
+    def _run_tail(
+        self, hidden: np.ndarray, start: int, commit: int | None,
+        parents: Sequence[int] | None, keep: Sequence[int] | None,
+    ) -> np.ndarray:
+        """A result's rows through the head's own last layers (the window's commit/keep first, as a peer does)."""
+        assert self.local is not None and self._local_cache is not None
+        rows = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)).unsqueeze(0)
+        out = self.local.step(rows, start, self._local_cache, commit=commit, parents=parents, keep=keep)
+        return out[0].to("cpu").to(torch.float32).numpy()
+
+    async def _receive(self, epoch: int) -> np.ndarray:
+        """The next result's rows (through the head's own last layers if it serves them)."""
+        start, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+        if self.local is None or self._local_first:
+            return hidden
+        if not self._tail_windows or self._tail_windows[0][0] != start:
+            sent = [w[0] for w in self._tail_windows]
+            raise RuntimeError(f"a result at position {start} came back, but the windows in flight start at {sent}")
+        t0 = time.perf_counter()
+        hidden = await trio.to_thread.run_sync(self._run_tail, hidden, *self._tail_windows.popleft(), limiter=self._limiter)
+        self.head_compute_s += time.perf_counter() - t0
+        return hidden
 
     def _logits(self, hidden: np.ndarray, rows: int) -> torch.Tensor:
         with torch.inference_mode():
             h = torch.from_numpy(np.ascontiguousarray(hidden[-rows:], dtype=np.float32)).unsqueeze(0)
-            return self.head.logits(h)[0].to(torch.float32)
+            return self.head.logits(h)[0].to("cpu").to(torch.float32)  # the verifier works on the CPU
 
     async def _send(
         self, tokens: Sequence[int], start: int, commit: int | None, epoch: int,
         parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        hidden = await trio.to_thread.run_sync(self._embed, tokens, limiter=self._limiter)
+        hidden = await trio.to_thread.run_sync(self._rows_out, tokens, start, commit, parents, keep, limiter=self._limiter)
         self.head_compute_s += time.perf_counter() - t0
+        if self.local is not None and not self._local_first:
+            self._tail_windows.append((start, commit, parents, keep))
         await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
 
     async def submit(
@@ -115,20 +171,23 @@ class RouteBackend:
             first = at == start
             await self._send(tokens[at - start : at - start + self.replay_chunk], at, commit if first else at, epoch,
                              keep=keep if first else None)
-            _, self._before_last = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+            self._before_last = await self._receive(epoch)
             at += self.replay_chunk
         first = at == start
         await self._send(tokens[at - start :], at, commit if first else at, epoch, keep=keep if first else None)
 
     async def _replay(self, epoch: int) -> None:
-        """On a new route: every committed token as a chain, then the window in flight (a tree whole, last)."""
+        """On a new route: every committed token as a chain, then the window in flight (a tree whole, last).
+
+        Windows in flight on the old route never answer; the local span is rebuilt from position 0."""
+        self._tail_windows.clear()
         if self._parents is None:
             await self._send_chunks(self._prefix + self._window, 0, 0, epoch)
             return
         start = len(self._prefix)
         if start:
             await self._send_chunks(self._prefix, 0, 0, epoch)
-            await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+            await self._receive(epoch)
         self._before_last = None
         await self._send(self._window, start, start, epoch, self._parents)
 
@@ -136,7 +195,7 @@ class RouteBackend:
         while True:
             if self._failure is None:
                 try:
-                    _, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+                    hidden = await self._receive(epoch)
                     break
                 except RouteError as exc:
                     self._failure = exc

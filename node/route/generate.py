@@ -6,10 +6,12 @@ import logging
 from collections.abc import Callable, Sequence
 
 from dsd.discovery.host import P2PNode
-from dsd.discovery.planner import NoRouteError
+from dsd.discovery.planner import NoRouteError, remote_blocks
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.setup import HeadSetup
 from dsd.protocol import Hop, WireFormat
+from dsd.shard_store import SpanModule
+from dsd.shard_store.dtypes import dtype_name
 
 from .backend import RouteBackend
 from .errors import RouteError
@@ -46,21 +48,39 @@ async def generate_once(
     on_tokens: Callable[[list[int]], None] | None = None,
     tokenizer=None,
     blacklist: Blacklist | None = None,
+    local_span: SpanModule | None = None,
 ) -> dict:
-    """Generate once over a planned route (failing over when a peer fails); returns the `--json` report."""
+    """Generate once over a planned route (failing over when a peer fails); returns the `--json` report.
+
+    `local_span`: layers the head serves itself (the model's first or last ones); the route covers the rest.
+    The report's `route` and `spans` name the block peers; `hops` is the whole ring, the head's own span
+    marked `local`.
+    """
     max_len = len(prompt) + cfg.max_new_tokens + cfg.max_window_nodes + 2  # a tree window's nodes all take KV rows
+    if wire is None and setup.head is not None:  # the head's compute dtype, carried exactly (half the bytes in bf16/fp16)
+        wire = WireFormat("auto").for_dtype(dtype_name(setup.head.dtype))
+    blocks = None if local_span is None else remote_blocks((local_span.start, local_span.end), setup.num_layers)
     async with open_route_keeper(
         node, legs, hops=hops, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire,
-        blacklist=blacklist, deadline=cfg.deadline,
+        blacklist=blacklist, deadline=cfg.deadline, blocks=blocks,
     ) as keeper:
-        backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s)
+        backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s, local=local_span)
         engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
+
+        def ring(s) -> list[dict]:
+            """Every hop of the ring in order: the head's own span (first or last) and the block peers."""
+            out = [{"peer_id": h.peer_id, "start": h.start, "end": h.end, "local": False} for h in s.hops]
+            if local_span is not None:
+                mine = {"peer_id": node.peer_id, "start": local_span.start, "end": local_span.end, "local": True}
+                out.insert(0 if local_span.start == 0 else len(out), mine)
+            return out
 
         def traffic() -> dict:
             s = keeper.session
             return {
                 "route": [h.peer_id for h in s.hops] if s else [],
                 "spans": [[h.start, h.end] for h in s.hops] if s else [],
+                "hops": ring(s) if s else [],
                 "bytes_sent": keeper.bytes_sent,
                 "bytes_received": keeper.bytes_received,
                 "head_compute_s": round(backend.head_compute_s, 4),

@@ -90,7 +90,8 @@ class RouteKeeper:
     that session's cancel scope, so closing a failed session stops just its watcher; a replaced
     session is closed there in the background. `deadline` holds the constants of the deadline and
     slowness rule; a ping to a hop waits `ping_timeout_s` + `ping_rtts` × the RTT the last survey
-    measured to it (`probe_timeout_s` when none did).
+    measured to it (`probe_timeout_s` when none did). `blocks` = (start, end) routes only those layers
+    (the head serves the others itself); default every layer.
     """
 
     def __init__(
@@ -110,11 +111,13 @@ class RouteKeeper:
         ping_timeout_s: float = 1.0,
         ping_rtts: float = 5.0,
         trial_after: int = 2,
+        blocks: tuple[int, int] | None = None,
     ) -> None:
         self.node = node
         self.legs = legs
         self.model = model
         self.num_layers = num_layers
+        self.blocks = blocks
         self.max_len = max_len
         self.wire = wire
         self.blacklist = blacklist or Blacklist()
@@ -135,7 +138,8 @@ class RouteKeeper:
         self._planned: tuple[list[Hop], RoundPrior] | None = None  # a plan made while judging a slow route
 
     async def _plan(self, avoid: frozenset[str] = frozenset()) -> tuple[list[Hop], RoundPrior]:
-        view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active() | avoid)
+        view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active() | avoid,
+                            blocks=self.blocks)
         self._rtts.update({pid: rtt for pid, rtt in view.rtts.items() if rtt is not None})
         if view.plan is None:
             assert view.error is not None

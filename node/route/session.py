@@ -300,10 +300,13 @@ class RouteSession:
             raise RouteError(f"truncate not acknowledged within {timeout:.0f} s", code="timeout") from exc
 
     async def close(self) -> None:
-        """Tell the route the session is over (best effort, within 5 s), then stop the watcher and drop the inbox."""
+        """Tell the route the session is over (best effort, within 5 s), then stop the watcher and drop the inbox.
+
+        Shielded: a generation that is cancelled (its client went away) still frees the peers' state at once."""
         try:
             if self._stream is not None:
-                with trio.move_on_after(5):
+                with trio.move_on_after(5) as scope:
+                    scope.shield = True
                     try:
                         await self._stream.send(CloseSession(self.id))
                         await self._stream.close()

@@ -7,6 +7,8 @@ hands the result to the head: N+1 link crossings per window. Data flows forward;
 acknowledgements and errors flow back along the streams they came in on.
 A window may be a token tree (`Forward.parents`); the next window's `keep` names its
 accepted path, which every peer of the ring keeps in its cache instead of truncating.
+The span computes on its device in its dtype (weights and KV caches live there); hidden states
+cross to the CPU only to be put on the wire, by default in the codec of the compute dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dsd.protocol import (
 )
 from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import SpanModule, Store
+from dsd.shard_store.dtypes import dtype_name
 
 from .ledger import (
     Ledger,
@@ -52,8 +55,11 @@ from .ledger import (
     receive_within,
     watch_upstream,
 )
+from .metrics import PeerMetrics, timed
 
 log = logging.getLogger(__name__)
+
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
 @dataclass
@@ -93,14 +99,18 @@ class BlockServer:
         *,
         limits: ServerLimits | None = None,
         wire: WireFormat | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         self.node = node
         self.store = store
         self.model_id = store.manifest.model_id
         self.start, self.end = start, end
         self.limits = limits or ServerLimits()
-        self.wire = wire or WireFormat()
-        self.span: SpanModule = store.load_span(start, end)
+        self.span: SpanModule = store.load_span(start, end, device=device, dtype=dtype)
+        self.dtype_name = dtype_name(self.span.dtype)
+        self.wire = (wire or WireFormat("auto")).for_dtype(self.dtype_name)
         self.hidden_size = int(store.manifest.hidden_size)
         self.sessions: dict[tuple[str, int], Session] = {}
         self.ledger = Ledger(self.limits, "peer")
@@ -109,6 +119,10 @@ class BlockServer:
         self.windows_served = 0
         self.closing = False
         self.throughput = 1.0
+        self.metrics = metrics or PeerMetrics()
+        self.metrics.watch_sessions(open_=lambda: len(self.ledger), reserved=lambda: self.ledger.reserved_tokens,
+                                    used=lambda: sum(s.cache.length for s in self.sessions.values()),
+                                    budget=self.limits.kv_budget_tokens)
 
     # --- accounting -------------------------------------------------------
 
@@ -125,7 +139,7 @@ class BlockServer:
         return [PeerRecord(
             peer_id=self.node.peer_id, addrs=tuple(self.node.addrs), model=self.model_id, start=self.start,
             end=self.end, role="block", throughput=float(self.throughput), version=software_version(),
-            dtype=str(self.span.dtype).removeprefix("torch."), cache_tokens_left=int(self.cache_tokens_left),
+            dtype=self.dtype_name, cache_tokens_left=int(self.cache_tokens_left),
         )]
 
     def kv_lengths(self) -> dict[str, int]:
@@ -135,14 +149,15 @@ class BlockServer:
     # --- compute ----------------------------------------------------------
 
     def _run_span(
-        self, span: SpanModule, hidden: np.ndarray, start_pos: int, cache: Any, parents: tuple[int, ...] | None = None
+        self, span: SpanModule, hidden: np.ndarray, start_pos: int, cache: Any, parents: tuple[int, ...] | None = None,
+        commit: int | None = None, keep: tuple[int, ...] | None = None,
     ) -> np.ndarray:
-        with torch.inference_mode():
-            out = span(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache, parents)
-        return out[0].to(torch.float32).numpy()
+        out = span.step(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache, commit=commit, parents=parents, keep=keep)
+        return out[0].to("cpu").to(torch.float32).numpy()  # cross in the compute dtype, widen on the CPU
 
     async def measure_throughput(self, tokens: int = 1, repeats: int = 3) -> float:
-        """Decode-step tokens per second of this span, measured on a scratch cache."""
+        """Decode-step tokens per second of this span on its device and dtype, measured on a scratch cache
+        (the copy back to the CPU in `_run_span` waits for the device, so the time is the real one)."""
         cache = self.span.new_cache()
         hidden = np.random.default_rng(0).standard_normal((tokens, self.hidden_size)).astype(np.float32)
 
@@ -161,12 +176,14 @@ class BlockServer:
             session = await self._open(first, remote)
         except SessionError as exc:
             log.info("refused session %s from %s: %s", first.session, remote, exc.message)
+            self.metrics.refused(exc.code)
             await send_quietly(upstream, Error(exc.code, exc.message, first.session, exc.blame or me))
             await close_quietly(upstream)
             return
         if self.closing:  # opened while shutdown was cancelling the others: end it the same way
             session.scope.cancel()
         log.info("session %s open from %s (max_len %d, last hop %s)", session.id, remote, session.max_len, session.last_hop)
+        self.metrics.sessions_opened.inc()
         try:
             async with trio.open_nursery() as nursery:
                 if not session.last_hop:
@@ -179,9 +196,11 @@ class BlockServer:
                     if session.scope.cancelled_caught and session.liveness.lost is not None:
                         log.info("session %s ended: %s", session.id, session.liveness.lost)
                         error = Error("unreachable", f"{me}: {session.liveness.lost}", session.id, remote)
+                        self.metrics.error(error.code)
                         await send_quietly(session.downstream, error)
                     elif session.scope.cancelled_caught:
                         error = Error("shutting_down", f"{me}: peer shutting down", session.id, me)
+                        self.metrics.error(error.code)
                         await send_quietly(upstream, error)
                         await send_quietly(session.downstream, error)
                 except (SessionError, SessionRuleError) as exc:
@@ -190,24 +209,29 @@ class BlockServer:
                     # so the head hears the cause before it sees the return leg close.
                     blame = exc.blame if isinstance(exc, SessionError) else None
                     error = Error(exc.code, f"{me}: {exc.message}", session.id, blame or me)
+                    self.metrics.error(error.code)
                     await send_quietly(upstream, error)
                     await send_quietly(session.downstream, error)
                 except ProtocolError as exc:
                     log.info("session %s: bad frame from upstream: %s", session.id, exc)
+                    self.metrics.error(exc.code)
                     await send_quietly(upstream, Error(exc.code, f"{me}: {exc}", session.id, me))
                 except (EOFError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
+                    self.metrics.error("unreachable")
                     await send_quietly(session.downstream, Error(
                         "unreachable", f"{me}: upstream {remote} went away ({type(exc).__name__})", session.id, remote
                     ))
                 except Exception as exc:
                     log.exception("session %s failed", session.id)
+                    self.metrics.error("internal")
                     await send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id, me))
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
             self._release(session)
             await close_quietly(session.downstream)
+            self.metrics.untrack(session.downstream)
             await close_quietly(upstream)
 
     async def _open(self, msg: OpenSession, remote: str) -> Session:
@@ -230,9 +254,10 @@ class BlockServer:
         except BaseException:
             self.ledger.release(key)
             raise
+        self.metrics.track(downstream)
         span = self._span_for(msg.start, msg.end)
         state = SessionState(msg.session, msg.max_len, self.limits.max_window)
-        session = Session(state, span, span.new_cache(), downstream, nxt.start == nxt.end, nxt.peer_id, remote)
+        session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote)
         self.sessions[key] = session
         return session
 
@@ -335,6 +360,12 @@ class BlockServer:
             raise SessionError(
                 "bad_tensor", f"hidden must have shape [tokens, {self.hidden_size}], got {list(msg.hidden.shape)}"
             )
+        peak = float(np.abs(hidden).max()) if self.span.dtype == torch.float16 and hidden.size else 0.0
+        if peak > FLOAT16_MAX:  # a float16 peer would compute on inf
+            raise SessionError(
+                "bad_tensor", f"hidden states reach {peak:.4g}, beyond the float16 range ({FLOAT16_MAX:g}) this peer "
+                "computes in; serve with --dtype bfloat16 or float32",
+            )
         return np.ascontiguousarray(hidden, dtype=np.float32)
 
     async def _forward(self, session: Session, msg: Forward) -> None:
@@ -344,15 +375,14 @@ class BlockServer:
         if length is None:
             log.debug("session %s: dropped window of stale epoch %d < %d", session.id, msg.epoch, session.state.epoch)
             return
-        if msg.keep and msg.commit is not None:  # begin checked the path against the last window
-            session.cache.keep(msg.commit, msg.keep)
-        else:
-            session.cache.truncate(length)
         hidden = self._hidden(msg)
         session.state.extend(hidden.shape[0], msg.parents)
-        out = await trio.to_thread.run_sync(
-            self._run_span, session.span, hidden, msg.start, session.cache, msg.parents, limiter=self._compute,
+        commit = msg.commit if msg.keep else length  # begin checked a kept path against the last window
+        out, seconds = await trio.to_thread.run_sync(
+            timed, self._run_span, session.span, hidden, msg.start, session.cache, msg.parents, commit, msg.keep,
+            limiter=self._compute,
         )
+        self.metrics.observe_forward(hidden.shape[0], seconds)
         session.windows += 1
         self.windows_served += 1
         wire = self.wire.encode(out)

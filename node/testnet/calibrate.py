@@ -10,15 +10,19 @@ import torch
 from dsd.shard_store import Store
 
 
-def measure_t0(store: Store, layers: int, *, threads: int = 1, prefill: int = 32, steps: int = 7) -> float:
-    """Median seconds of a 1-token decode step through `layers` layers after a short prefill.
+def measure_t0(
+    store: Store, layers: int, *, threads: int = 1, prefill: int = 32, steps: int = 7,
+    device: torch.device | None = None, dtype: torch.dtype | None = None,
+) -> float:
+    """Median seconds of a 1-token decode step through `layers` layers after a short prefill, on `device`
+    in `dtype` (default the CPU, the store's dtype), its output copied back to the CPU as a peer does.
 
-    Uses the same thread count as the testnet's peers so the number describes them.
+    Uses the same thread count, device and dtype as the testnet's peers so the number describes them.
     """
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        span = store.load_span(0, max(1, min(layers, store.num_layers)))
+        span = store.load_span(0, max(1, min(layers, store.num_layers)), device=device, dtype=dtype)
         cache = span.new_cache()
         hidden = int(store.manifest.hidden_size)
         gen = torch.Generator().manual_seed(0)
@@ -28,7 +32,7 @@ def measure_t0(store: Store, layers: int, *, threads: int = 1, prefill: int = 32
             for _ in range(steps):
                 x = torch.randn(1, 1, hidden, generator=gen)
                 t = time.perf_counter()
-                span(x, cache.length, cache)
+                span(x, cache.length, cache).to("cpu")  # waits for the device
                 times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
     finally:

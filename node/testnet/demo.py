@@ -23,6 +23,7 @@ from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.generate import generate_once
 from dsd.shard_store import Store
+from dsd.shard_store.devices import resolve_placement
 
 from .calibrate import measure_t0
 from .processes import stop_processes
@@ -44,6 +45,8 @@ class DemoSpec:
     modes: list[str] = field(default_factory=lambda: ["ar", "dsd"])
     draft_quant: str = "int8"
     branches: int = 8
+    device: str = "auto"  # the peers' and the head's --device
+    dtype: str = "auto"  # their --dtype
 
 
 @dataclass
@@ -80,19 +83,22 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
     """Run the demo, narrating each step through `say`; the testnet is stopped on every exit."""
     store = Store(spec.target)
     layers = store.num_layers
-    say(f"== measuring t0 (one peer's decode step over {layers // spec.peers} of {layers} layers, 1 thread)")
-    t0 = measure_t0(store, max(1, layers // spec.peers))
+    place = resolve_placement(spec.device, spec.dtype)
+    say(f"== measuring t0 (one peer's decode step over {layers // spec.peers} of {layers} layers, 1 thread, {place})")
+    t0 = measure_t0(store, max(1, layers // spec.peers), device=place.device, dtype=place.dtype)
     latency_ms = spec.ratio * t0 * 1000
     say(f"t0 = {t0 * 1000:.1f} ms -> emulated one-way latency t1 = {spec.ratio:g}·t0 = {latency_ms:.0f} ms per link")
     say(f"== starting a testnet: bootstrap + {spec.peers} block peers on loopback, WAN {latency_ms:.0f} ms")
     link = LinkProfile.from_options(latency_ms)
-    state = bring_up(SwarmSpec(state=spec.state, store=spec.target, peers=spec.peers, timeout_s=300.0, link=link))
+    state = bring_up(SwarmSpec(state=spec.state, store=spec.target, peers=spec.peers, timeout_s=300.0, link=link,
+                               device=spec.device, dtype=spec.dtype))
     say(f"testnet up in {state.up_seconds:.1f} s (logs in {spec.state / 'logs'})")
     try:
         torch.set_num_threads(1)
         params = SamplingParams()
         quant = spec.draft_quant if spec.draft != "ngram" else "none"
-        setup, tokenizer = load_head_setup(spec.target, spec.draft, params, seed=0, quant=quant)
+        setup, tokenizer = load_head_setup(spec.target, spec.draft, params, seed=0, quant=quant,
+                                           device=place.device, dtype=place.dtype)
         task_id, prompt_text = humaneval_prompt(spec.problem)
         prompt = list(tokenizer(prompt_text)["input_ids"])
         eos = eos_ids(tokenizer, store.manifest)

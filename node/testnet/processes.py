@@ -36,6 +36,7 @@ class PeerProcess:
     start: int | None = None
     end: int | None = None
     role: str = "block"
+    metrics_url: str | None = None  # with `testnet up --metrics`: its Prometheus endpoint
 
 
 @dataclass

@@ -44,7 +44,7 @@ class SwarmSpec:
     peers: int = 4
     replicas: int = 1
     threads: int = 1
-    codec: str = "raw"
+    codec: str = "auto"
     record_ttl_s: float = 30.0
     timeout_s: float = 180.0
     link: LinkProfile = field(default_factory=LinkProfile)
@@ -52,6 +52,9 @@ class SwarmSpec:
     worker_stores: list[Path] = field(default_factory=list)  # federated: one worker each (default: store)
     topk_cap: int | None = None
     topk_codec: str = "fp16"
+    device: str = "auto"  # every daemon's --device (one GPU can hold several peers' spans)
+    dtype: str = "auto"  # every daemon's --dtype
+    metrics: bool = False  # every daemon serves its Prometheus metrics on a free loopback port
 
 
 def prepare_state_dir(state_dir: Path) -> Path:
@@ -84,7 +87,9 @@ class _Launch:
 
     def spawn(self, name: str, args: list[str]) -> PeerProcess:
         common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
-                  "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args()]
+                  "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args(),
+                  "--device", self.spec.device, "--dtype", self.spec.dtype,
+                  *(["--metrics-port", "0"] if self.spec.metrics else [])]
         proc = spawn(name, [*args, *common], self.spec.state)
         self.started.append(proc)
         return proc
@@ -93,6 +98,7 @@ class _Launch:
         boot = self.spawn("bootstrap", ["start", "--bootstrap-only"])
         info = wait_ready(self.ready_dir / "bootstrap.json", boot, self.left())
         boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
+        boot.metrics_url = info.get("metrics_url")
         return boot
 
     def await_peers(self) -> None:
@@ -101,6 +107,7 @@ class _Launch:
             info = wait_ready(self.ready_dir / f"{proc.name}.json", proc, self.left())
             proc.peer_id, proc.multiaddr = info["peer_id"], info["addrs"][0]
             proc.start, proc.end = info.get("start", proc.start), info.get("end", proc.end)
+            proc.metrics_url = info.get("metrics_url")
 
     def record_up(self, state: TestnetState, wait: Callable[[float], None]) -> TestnetState:
         """Save the state (so `down` works even if waiting fails), wait until usable, save again."""

@@ -1,0 +1,191 @@
+"""Load on `dsd-node serve`: 1, 4 and 8 concurrent streaming clients against a testnet with emulated WAN links.
+
+For each model kind (a tiny random target drafting for itself, or the default real pair) it starts a
+testnet (bootstrap + N block peers, every link delayed), one `dsd-node serve` process on the same
+emulated WAN, and then, for each client count C, C threads that each send R streamed
+`/v1/completions` requests back to back (greedy, fixed prompts, `max_tokens` each). Reported per
+level: requests/s and completion tokens/s over the level's wall time, p50/p95 time to the first
+streamed token (from sending the request), mean tokens per round trip and accepted drafts per round
+(the `dsd` statistics of each answer). One JSON on stdout, also saved under results/.
+
+    python bench/serve_load.py                          # tiny, 4 peers, 40 ms, 1/4/8 clients
+    python bench/serve_load.py --models real --clients 2
+    python bench/serve_load.py --clients 1 --requests 1 --max-tokens 8   # smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harness import (
+    RESULTS_DIR,
+    build_tiny_store,
+    comma_list,
+    model_kinds,
+    run_metadata,
+    testnet,
+    today,
+    write_json,
+)
+
+PROMPTS = (
+    'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+    "def is_prime(n):\n    # True when n is a prime number\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+    "import json\n\ndef load(path):\n    with open(path) as f:\n",
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def one_request(url: str, model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: time to the first chunk (the first tokens), tokens, the dsd statistics."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    last: dict[str, Any] = {}
+    with httpx.Client(timeout=600) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": r.read().decode(errors="replace")[:300]}
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            last = json.loads(line[len("data: "):])
+    elapsed = time.perf_counter() - t0
+    usage, dsd = last.get("usage") or {}, last.get("dsd") or {}
+    return {"status": 200, "ttft_s": first, "elapsed_s": elapsed, "tokens": int(usage.get("completion_tokens", 0)),
+            "tokens_per_trip": dsd.get("tokens_per_trip"), "mean_accepted": dsd.get("mean_accepted"),
+            "queued_s": dsd.get("queued_s")}
+
+
+def load_level(url: str, model: str, prompts: list[Any], clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    """`clients` threads, `requests` streamed requests each; throughput over the level's wall time."""
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(i: int) -> None:
+        start.wait()
+        for j in range(requests):
+            res = one_request(url, model, prompts[(i + j) % len(prompts)], max_tokens)
+            with lock:
+                results.append(res)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+
+    def mean(key: str) -> float | None:
+        xs = [r[key] for r in ok if r.get(key) is not None]
+        return round(statistics.fmean(xs), 4) if xs else None
+
+    return {
+        "clients": clients, "requests": len(results), "ok": len(ok),
+        "errors": [r for r in results if r["status"] != 200][:3],
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 4),
+        "tokens_per_s": round(tokens / wall, 3),
+        "completion_tokens": tokens,
+        "ttft_p50_s": None if not ttft else round(percentile(ttft, 0.5), 4),
+        "ttft_p95_s": None if not ttft else round(percentile(ttft, 0.95), 4),
+        "tokens_per_trip": mean("tokens_per_trip"),
+        "mean_accepted": mean("mean_accepted"),
+        "queued_s_mean": mean("queued_s"),
+    }
+
+
+def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One testnet and one serve process for a model kind; every client level against them."""
+    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+    from dsd.shard_store import Store
+    from dsd.shard_store.default_models import default_store_paths, prepared
+
+    work: Path = args.state / f"serve_load-{kind}"
+    if kind == "real":
+        if not prepared():
+            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
+        target, draft = default_store_paths()["target"], str(default_store_paths()["draft"])
+    else:
+        target = build_tiny_store(work / "tiny", tokenizer_store=default_store_paths()["target"] if prepared() else None)
+        draft = str(target)  # the tiny target drafts for itself
+    store = Store(target)
+    tokenizer = store.load_tokenizer()
+    prompts: list[Any] = list(PROMPTS) if tokenizer is not None else [list(p.encode()) for p in PROMPTS]
+    print(f"[{kind}] starting {args.peers} peers with {args.latency_ms:g} ms links", file=sys.stderr, flush=True)
+    with testnet(target, args.peers, args.latency_ms, work / "net") as state:
+        ready = work / "serve.json"
+        ready.unlink(missing_ok=True)
+        proc = spawn("serve", [
+            "serve", "--bootstrap", state.bootstrap, "--store", str(target), "--draft", draft, "--port", "0",
+            "--ready-file", str(ready), "--max-concurrent", str(max(args.clients)), "--queue", str(max(args.clients)),
+            "--threads", "1", "--wan-latency-ms", str(args.latency_ms), "--mode", args.mode,
+        ], work)
+        try:
+            info = wait_ready(ready, proc, 600)
+            row: dict[str, Any] = {"models": kind, "model_id": store.manifest.model_id, "peers": args.peers,
+                                   "latency_ms": args.latency_ms, "mode": args.mode, "max_tokens": args.max_tokens,
+                                   "testnet_up_s": state.up_seconds, "levels": []}
+            one_request(info["url"], info["model"], prompts[0], 4)  # warm-up: first survey, first session
+            for clients in args.clients:
+                level = load_level(info["url"], info["model"], prompts, clients, args.requests, args.max_tokens)
+                print(f"  {clients} clients: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:.1f} tok/s, "
+                      f"ttft p50 {level['ttft_p50_s']} s p95 {level['ttft_p95_s']} s", file=sys.stderr, flush=True)
+                row["levels"].append(level)
+            row["serve_log"] = proc.log
+        finally:
+            stop_processes([proc.pid])
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny", help="comma-separated: tiny, real (default tiny)")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--latency-ms", type=float, default=40.0, help="one-way emulated latency of every link (default 40)")
+    p.add_argument("--clients", default="1,4,8", help="concurrent client counts (default 1,4,8)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client per level (default 4)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--mode", default="dsd", choices=("ar", "sd", "dsd"))
+    p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
+    p.add_argument("--out", type=Path, default=None, help="result file (default results/serve_load-DATE.json)")
+    args = p.parse_args(argv)
+    kinds = model_kinds(p, args.models)
+    args.clients = comma_list(p, "--clients", args.clients, int)
+    if args.peers < 1 or args.requests < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
+        p.error("--peers, --requests, --max-tokens and every --clients value must be >= 1")
+    results = {**run_metadata("serve_load", args), "runs": [run(kind, args) for kind in kinds]}
+    write_json(args.out or RESULTS_DIR / f"serve_load-{today()}.json", results)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`dsd-node serve`: keep the head loaded and serve an OpenAI-compatible API over the swarm."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dsd.node.head.deadline import DeadlineRule
+from dsd.node.head.modes import MODE_HELP, MODES
+from dsd.node.service.defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PORT,
+    DEFAULT_QUEUE,
+    DEFAULT_REFRESH_S,
+)
+
+from .generate import _tree_nodes
+from .options import add_wan_options, fail, link_profile
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming), a live swarm page at / and /metrics")
+    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
+    p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
+    p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="drafter, loaded once and shared by every request (default ngram: model-free prompt lookup)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (default none)")
+    p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
+    p.add_argument("--gamma-max", type=int, default=16, help="largest draft window (default 16)")
+    p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY)")
+    p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip (default 8)")
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="token-tree window budget (default auto; 0 = chains); trees need a draft model store")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT}; 0 = any free port, see --ready-file)")
+    p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N", help=f"generations running at once (default {DEFAULT_MAX_CONCURRENT}; block peers admit 8 sessions per head by default)")
+    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N", help=f"requests that may wait for a slot; more are refused with 429 (default {DEFAULT_QUEUE})")
+    p.add_argument("--api-key", type=Path, default=None, metavar="FILE", help="require 'Authorization: Bearer KEY' on /v1 with the KEY in FILE (default: no key); the swarm page at / (with its JSON /api/swarm) and /metrics stay public: they show no prompts, texts or keys")
+    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS", help="prompt + completion limit (default: the model's positions, at most the peers' default --max-len 4096)")
+    p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N", help=f"completion tokens of a request without max_tokens (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--refresh", type=float, default=DEFAULT_REFRESH_S, metavar="S", help=f"survey the swarm every S seconds (default {DEFAULT_REFRESH_S:g}; also when a route fails)")
+    p.add_argument("--identity", type=Path, default=None, help="the head's key file (default: a new identity each start)")
+    p.add_argument("--ready-file", type=Path, default=None, help="write {url, model, peer_id, pid} as JSON here once listening")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
+    add_wan_options(p)
+    d = p.add_argument_group("failure detection (docs/failures.md)")
+    d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds (default {DeadlineRule.k:g})")
+    d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
+    d.add_argument("--deadline-cap", type=float, default=DeadlineRule.cap_s, metavar="S", help=f"... and never more than S seconds (default {DeadlineRule.cap_s:g})")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from dsd.node.service.head import HeadOptions
+    from dsd.node.service.serve import ServeConfig, read_api_key, serve_until_signal
+    from dsd.shard_store import StoreError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_concurrent < 1 or args.queue < 0 or not 0 <= args.port <= 65535:
+        return fail("need --max-concurrent >= 1, --queue >= 0 and a --port in 0..65535")
+    if args.max_tokens_default < 1 or (args.max_context is not None and args.max_context < 2):
+        return fail("--max-tokens-default must be >= 1 and --max-context >= 2")
+    try:
+        api_key = read_api_key(args.api_key) if args.api_key else None
+    except (OSError, ValueError) as exc:
+        return fail(f"--api-key: {exc}")
+    head = HeadOptions(
+        store=args.store, draft=args.draft, draft_quant=args.draft_quant, mode=args.mode, branches=args.branches,
+        tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
+        deadline=DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap),
+        max_context=args.max_context, default_max_tokens=args.max_tokens_default,
+    )
+    cfg = ServeConfig(
+        bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,
+        queue=args.queue, api_key=api_key, link=link_profile(args), identity=args.identity, refresh_s=args.refresh,
+        ready_file=args.ready_file,
+    )
+    try:
+        serve_until_signal(cfg)
+    except (ValueError, StoreError, OSError) as exc:
+        return fail(str(exc))
+    return 0

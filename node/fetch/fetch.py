@@ -1,0 +1,497 @@
+"""Fetching a span's files from the swarm: trust root, sources, parallel pieces, verify, install.
+
+`Fetcher.open` finds the peers announcing a model (its DHT records), fetches the manifest from
+one of them and checks its sha256 against the trust root (`--manifest-sha256`; with
+`trust_first`, the hash most peers announce), then prepares the local store. `Fetcher.fetch`
+gets the files asked for: each source peer has one worker that takes pieces from a shared
+`PieceBoard` and writes them into part files; a dropped peer's piece goes back from the byte
+where it stopped; every file is hashed before it is renamed into place; a file that does not
+match is discarded and its sender blacklisted (when several peers sent parts of it, the next
+copy comes from one peer and the bad copy is compared with it to find who lied).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from dsd.discovery.announce import fetch_records
+from dsd.discovery.host import P2PNode
+from dsd.protocol import FileChunk
+from dsd.protocol.limits import SHARD_CHUNK_BYTES
+from dsd.protocol.shard import BUSY, NOT_FOUND
+from dsd.shard_store import StoreError
+from dsd.shard_store.manifest import LAYERS_DIR
+
+from .client import PeerFault, ShardClient, ShardRefused
+from .local import LocalStore, PartFile, default_fetch_dir
+from .plan import PieceBoard
+
+log = logging.getLogger(__name__)
+
+TRUST_HELP = (
+    "the manifest's sha256 is the trust root of a fetch: every file is checked against the manifest, so "
+    "without a pinned manifest any peer could hand you one listing tampered weights and every file would "
+    "still verify"
+)
+
+
+class FetchError(RuntimeError):
+    """The fetch cannot finish: no peer announces the model, no manifest matches, or files no peer could send."""
+
+
+@dataclass
+class FetchRequest:
+    """What to fetch and how: the model, its trust root, where to put it, piece and chunk sizes, peers at once."""
+
+    model: str
+    manifest_sha256: str | None = None
+    trust_first: bool = False  # no pinned hash: trust the manifest most peers announce
+    out: Path | None = None  # default: default_fetch_dir(model, manifest sha256, fetch_root)
+    fetch_root: Path | None = None
+    piece_bytes: int = 32 * 1024 * 1024
+    chunk_bytes: int = SHARD_CHUNK_BYTES
+    max_peers: int = 8
+    find_timeout_s: float = 60.0  # wait this long for a peer announcing the model
+    connect_timeout_s: float = 10.0
+    reply_timeout_s: float = 60.0  # a peer silent this long mid-request is dropped
+    busy_retries: int = 20  # back off this many times on a busy peer before leaving it
+
+    def __post_init__(self) -> None:
+        if self.manifest_sha256 is not None:
+            sha = self.manifest_sha256.strip().lower()
+            if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+                raise ValueError(f"--manifest-sha256 must be 64 hex characters, got {self.manifest_sha256!r}")
+            self.manifest_sha256 = sha
+        elif not self.trust_first:
+            raise ValueError(f"fetching {self.model} needs --manifest-sha256 HEX: {TRUST_HELP}. "
+                             "--trust-first-manifest accepts the manifest most peers announce (and prints its hash)")
+        if not 1 <= self.chunk_bytes <= SHARD_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [1, {SHARD_CHUNK_BYTES}], got {self.chunk_bytes}")
+        if self.piece_bytes < 1 or self.max_peers < 1:
+            raise ValueError("piece_bytes and max_peers must be >= 1")
+
+
+@dataclass
+class Source:
+    """A peer announcing the model: its addresses, announced spans and how it fared in this fetch."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    manifest_sha256: str | None = None
+    state: str = "ok"  # ok | dropped | blacklisted
+    reason: str = ""
+    bytes: int = 0
+
+    def announces_layer(self, index: int) -> bool:
+        return any(a <= index < b for a, b in self.spans)
+
+
+@dataclass(frozen=True)
+class FetchProgress:
+    """A snapshot for progress displays."""
+
+    received: int
+    total: int
+    peers: int
+    files_done: int
+    files_total: int
+
+
+def _layer_index(relpath: str) -> int | None:
+    prefix = f"{LAYERS_DIR}/layer_"
+    if relpath.startswith(prefix) and relpath.endswith(".safetensors"):
+        digits = relpath[len(prefix):-len(".safetensors")]
+        return int(digits) if digits.isdigit() else None
+    return None
+
+
+class Fetcher:
+    """One fetch into one local store, on a running node: `await open()`, then `await fetch(files)` (any times)."""
+
+    def __init__(self, node: P2PNode, request: FetchRequest, *,
+                 on_progress: Callable[[FetchProgress], None] | None = None,
+                 on_chunk: Callable[[str, str, int, int], None] | None = None) -> None:
+        self.node = node
+        self.request = request
+        self.on_progress = on_progress
+        self.on_chunk = on_chunk  # (peer, relpath, offset, length) after each chunk is written
+        self.sources: dict[str, Source] = {}
+        self.local: LocalStore | None = None
+        self.events: list[dict[str, Any]] = []
+        self._board: PieceBoard | None = None
+        self._parts: dict[str, PartFile] = {}
+        self._locks: dict[str, trio.Lock] = {}
+        self._suspects: dict[str, tuple[PartFile, list[tuple[str, int, int]]]] = {}
+        self._changed = trio.Event()
+        self._received = 0
+        self._total = 0
+        self._report: dict[str, Any] = {"files": {}}
+
+    # --- trust root and sources ----------------------------------------------------------
+
+    def _event(self, kind: str, peer: str, **details: Any) -> None:
+        self.events.append({"t": round(time.time(), 3), "event": kind, "peer": peer, **details})
+        log.info("fetch %s: %s %s", kind, peer, details)
+
+    async def find_sources(self) -> list[Source]:
+        """Peers announcing the model (not us), waiting up to find_timeout_s for the first."""
+        req = self.request
+        deadline = trio.current_time() + req.find_timeout_s
+        while True:
+            for rec in await fetch_records(self.node, req.model, 0):
+                if rec.peer_id == self.node.peer_id:
+                    continue
+                src = self.sources.setdefault(rec.peer_id, Source(rec.peer_id, rec.addrs))
+                src.addrs = rec.addrs or src.addrs
+                if (rec.start, rec.end) not in src.spans:
+                    src.spans.append((rec.start, rec.end))
+                src.manifest_sha256 = rec.manifest_sha256 or src.manifest_sha256
+            if self.sources or trio.current_time() >= deadline:
+                break
+            await trio.sleep(1.0)
+        if not self.sources:
+            raise FetchError(f"no peer announces model {req.model!r} (waited {req.find_timeout_s:.0f} s)")
+        return list(self.sources.values())
+
+    def trust_root(self) -> str | None:
+        """The manifest sha256 to accept: the pinned one, else (trust_first) the one most peers announce."""
+        if self.request.manifest_sha256 is not None:
+            return self.request.manifest_sha256
+        votes = Counter(s.manifest_sha256 for s in self.sources.values() if s.manifest_sha256)
+        if not votes:
+            return None  # nobody announces a hash: the first manifest served is trusted
+        sha, n = votes.most_common(1)[0]
+        log.warning("trusting manifest sha256 %s, announced by %d of %d peers (--trust-first-manifest); "
+                    "pin it next time with --manifest-sha256 %s", sha, n, len(self.sources), sha)
+        return sha
+
+    async def open(self) -> LocalStore:
+        """Find sources, fetch and check the manifest, prepare the local store; returns it."""
+        if self.local is not None:
+            return self.local
+        await self.find_sources()
+        want = self.trust_root()
+        order = sorted(self.sources.values(), key=lambda s: (s.manifest_sha256 != want, s.peer_id))
+        problems: list[str] = []
+        for src in order:
+            if src.manifest_sha256 is not None and want is not None and src.manifest_sha256 != want:
+                continue  # it serves another version of the model
+            try:
+                data = await self._manifest_from(src)
+            except (ShardRefused, ConnectionError, trio.TooSlowError, OSError) as exc:
+                problems.append(f"{src.peer_id}: {exc}")
+                continue
+            except PeerFault as exc:
+                self._blacklist(src, str(exc))
+                problems.append(f"{src.peer_id}: {exc}")
+                continue
+            sha = hashlib.sha256(data).hexdigest()
+            if want is not None and sha != want:
+                self._blacklist(src, f"served a manifest with sha256 {sha}, not the trust root {want}")
+                problems.append(f"{src.peer_id}: manifest sha256 {sha[:16]}… does not match")
+                continue
+            try:
+                local = LocalStore(self._out_dir(sha), data, sha)
+            except (StoreError, ValueError) as exc:  # ValueError: not JSON
+                self._blacklist(src, f"served a manifest that is not valid: {exc}")
+                problems.append(f"{src.peer_id}: invalid manifest")
+                continue
+            if local.manifest.model_id != self.request.model:
+                self._blacklist(src, f"served the manifest of {local.manifest.model_id!r} for {self.request.model!r}")
+                continue
+            if want is None:
+                log.warning("trusting the manifest %s served by %s (--trust-first-manifest; no peer announces a hash); "
+                            "pin it next time with --manifest-sha256 %s", sha, src.peer_id, sha)
+            await trio.to_thread.run_sync(local.prepare)
+            self.local = local
+            self._report.update(model=self.request.model, manifest_sha256=sha, out=str(local.path))
+            return local
+        raise FetchError(f"no peer served a manifest of {self.request.model!r} matching "
+                         f"{want or 'any announced hash'}: " + ("; ".join(problems) or "no source announces it"))
+
+    def _out_dir(self, sha: str) -> Path:
+        return self.request.out or default_fetch_dir(self.request.model, sha, self.request.fetch_root)
+
+    async def _manifest_from(self, src: Source) -> bytes:
+        client = await ShardClient.connect(self.node, src.peer_id, src.addrs, timeout_s=self.request.connect_timeout_s,
+                                           reply_timeout_s=self.request.reply_timeout_s)
+        try:
+            return await client.manifest(self.request.model)
+        finally:
+            await client.close()
+
+    # --- fetching files --------------------------------------------------------------------
+
+    async def fetch(self, relpaths: Sequence[str]) -> dict[str, Any]:
+        """Fetch the listed store files (already present and matching ones are kept); returns the report."""
+        local = self.local or await self.open()
+        manifest = local.manifest
+        unknown = [r for r in relpaths if r not in manifest.files]
+        if unknown:
+            raise FetchError(f"the manifest lists no files {unknown[:5]}")
+        t0 = time.perf_counter()
+        kept, needed = [], []
+        for relpath in sorted(set(relpaths)):
+            (kept if await trio.to_thread.run_sync(local.holds, relpath) else needed).append(relpath)
+        await trio.to_thread.run_sync(local.record, kept)
+        for relpath in kept:
+            self._report["files"][relpath] = {"size": manifest.files[relpath]["size"], "kept": True, "from": {}}
+        board = self._board = PieceBoard(
+            [(r, manifest.files[r]["sha256"], int(manifest.files[r]["size"])) for r in needed], self.request.piece_bytes)
+        self._total = sum(int(manifest.files[r]["size"]) for r in needed)
+        self._received = 0
+        for relpath in needed:
+            self._locks[relpath] = trio.Lock()
+            self._parts[relpath] = await trio.to_thread.run_sync(local.part, relpath)
+        try:
+            for relpath in needed:  # empty files are complete before any byte arrives
+                await self._verify_if_complete(relpath)
+            usable = sorted((s for s in self.sources.values() if s.state == "ok"),
+                            key=lambda s: (s.manifest_sha256 != local.manifest_sha, s.peer_id))[: self.request.max_peers]
+            if not board.done:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for src in usable:
+                            nursery.start_soon(self._worker, src)
+                except* (StoreError, OSError) as group:  # the local disk failed (full, read-only, ...)
+                    raise FetchError(f"writing into {local.path} failed: {group.exceptions[0]}") from None
+        finally:
+            for part in self._parts.values():
+                part.discard()
+            for part, _segments in self._suspects.values():
+                part.discard()
+            self._parts.clear()
+            self._suspects.clear()
+            await trio.to_thread.run_sync(local.cleanup)
+        seconds = time.perf_counter() - t0
+        self._report.update(
+            kept_files=sorted(kept), fetched_files=sorted(needed), bytes_needed=self._total,
+            bytes_received=sum(s.bytes for s in self.sources.values()), seconds=round(seconds, 3),
+            mb_per_s=round(self._total / 1e6 / seconds, 2) if seconds > 0 else None,
+            peers={s.peer_id: {"bytes": s.bytes, "state": s.state, "reason": s.reason, "spans": s.spans}
+                   for s in self.sources.values()},
+            blacklisted=sorted(s.peer_id for s in self.sources.values() if s.state == "blacklisted"),
+            dropped=sorted(s.peer_id for s in self.sources.values() if s.state == "dropped"),
+            events=self.events,
+        )
+        if not board.done:
+            left = board.unfinished()
+            states = ", ".join(f"{s.peer_id[-8:]} {s.state}{' (' + s.reason + ')' if s.reason else ''}"
+                               for s in self.sources.values())
+            raise FetchError(f"could not fetch {len(left)} file(s) ({', '.join(left[:4])}): peers: {states or 'none'}")
+        return self._report
+
+    def _announces(self, peer: str, relpath: str) -> bool:
+        index = _layer_index(relpath)
+        return index is not None and self.sources[peer].announces_layer(index)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _progress(self) -> None:
+        if self.on_progress is None or self._board is None:
+            return
+        files = self._board.files.values()
+        self.on_progress(FetchProgress(
+            received=self._received, total=self._total,
+            peers=sum(1 for s in self.sources.values() if s.state == "ok"),
+            files_done=sum(1 for f in files if f.done), files_total=len(files)))
+
+    async def _worker(self, src: Source) -> None:
+        """Fetch pieces from one peer until nothing is left for it, or it fails."""
+        board = self._board
+        assert board is not None
+        client: ShardClient | None = None
+        failures = busy = 0
+        try:
+            while src.state == "ok" and not board.done:
+                piece = board.take(src.peer_id, self._announces)
+                if piece is None:
+                    if not board.waiting_on_others(src.peer_id):
+                        return
+                    changed = self._changed
+                    with trio.move_on_after(1.0):
+                        await changed.wait()
+                    continue
+                at = [piece.offset]
+                try:
+                    if client is None:
+                        client = await ShardClient.connect(
+                            self.node, src.peer_id, src.addrs, timeout_s=self.request.connect_timeout_s,
+                            reply_timeout_s=self.request.reply_timeout_s)
+                    await self._fetch_piece(client, src, piece, at)
+                    failures = busy = 0
+                except ShardRefused as exc:
+                    if exc.code == BUSY and busy < self.request.busy_retries:
+                        busy += 1
+                        board.release(src.peer_id, at[0])
+                        await trio.sleep(min(0.25 * busy, 2.0))
+                        continue
+                    if exc.code == NOT_FOUND:
+                        board.lacks(src.peer_id, piece.relpath)
+                    elif exc.code == BUSY:
+                        self._drop(src, f"busy {busy} times in a row")
+                    else:  # bad_request / internal: its copy does not fit the manifest, as good as lacking it
+                        self._event("refused", src.peer_id, file=piece.relpath, reason=str(exc))
+                        board.lacks(src.peer_id, piece.relpath)
+                except PeerFault as exc:
+                    self._blacklist(src, str(exc))
+                except (ConnectionError, trio.TooSlowError, OSError, ValueError) as exc:  # ValueError: unusable addrs
+                    if client is not None:
+                        await client.abort()
+                    client = None
+                    failures += 1
+                    if failures > 1:
+                        self._drop(src, f"{type(exc).__name__}: {exc}")
+                    else:
+                        self._event("retry", src.peer_id, reason=f"{type(exc).__name__}: {exc}")
+                finally:
+                    if src.peer_id in board.in_flight:
+                        board.release(src.peer_id, at[0])
+                    self._notify()
+                await self._verify_if_complete(piece.relpath)
+                if failures:
+                    await trio.sleep(0.5)
+        finally:
+            if client is not None:
+                await client.close()
+            if src.peer_id in board.in_flight:
+                board.release(src.peer_id, board.in_flight[src.peer_id].offset)
+            if src.state == "blacklisted":
+                await self._forget_bytes(board.discard_from(src.peer_id))
+            elif src.state == "dropped":
+                await self._forget_bytes(board.dropped(src.peer_id))
+            self._notify()
+
+    async def _fetch_piece(self, client: ShardClient, src: Source, piece: Any, at: list[int]) -> None:
+        """Fetch one piece, writing each chunk as it comes; `at[0]` tracks the byte reached."""
+        board = self._board
+        assert board is not None
+        state = board.files[piece.relpath]
+        part = self._parts[piece.relpath]
+        lock = self._locks[piece.relpath]
+
+        async def on_chunk(chunk: FileChunk) -> None:
+            try:
+                async with lock:
+                    await trio.to_thread.run_sync(part.write, chunk.offset, chunk.data)
+            except OSError as exc:  # our disk, not the peer: ends the fetch (an OSError here would read as a link failure)
+                raise StoreError(f"cannot write {piece.relpath}: {exc}") from exc
+            n = len(chunk.data)
+            board.received(src.peer_id, chunk.offset, n)
+            at[0] = chunk.end
+            src.bytes += n
+            self._received += n
+            if self.on_chunk is not None:
+                self.on_chunk(src.peer_id, piece.relpath, chunk.offset, n)
+            self._progress()
+            if src.state != "ok":
+                raise PeerFault(f"{src.peer_id} left this fetch ({src.state})")
+
+        await client.file_range(state.sha256, piece.offset, piece.length, self.request.chunk_bytes, on_chunk)
+
+    # --- verification and blame -------------------------------------------------------------
+
+    async def _verify_if_complete(self, relpath: str) -> None:
+        board, local = self._board, self.local
+        assert board is not None and local is not None
+        if not board.complete(relpath):
+            return
+        board.begin_verify(relpath)
+        state = board.files[relpath]
+        part = self._parts[relpath]
+        async with self._locks[relpath]:
+            digest = await trio.to_thread.run_sync(part.digest)
+        if digest == state.sha256:
+            await trio.to_thread.run_sync(local.install, part, relpath)
+            self._report["files"][relpath] = {"size": state.size, "kept": False, "from": state.bytes_by_peer()}
+            board.finish(relpath)
+            if relpath in self._suspects:
+                await self._blame(relpath)
+            self._progress()
+            self._notify()
+            return
+        senders = sorted(state.senders())
+        self._event("hash_mismatch", ",".join(senders), file=relpath, got=digest, want=state.sha256)
+        if len(senders) == 1:
+            part.discard()
+            self._parts[relpath] = await trio.to_thread.run_sync(local.part, relpath)
+            board.restart(relpath, single_source=False)
+            await self._blacklist_now(self.sources[senders[0]], f"sent {relpath} with sha256 {digest}, not {state.sha256}")
+        else:  # keep the bad copy: the next (single-source) copy will show whose bytes were wrong
+            old = self._suspects.pop(relpath, None)
+            if old is not None:
+                old[0].discard()
+            suspect = part.path.with_name(part.path.name + ".suspect")
+            part.path.rename(suspect)
+            part.path = suspect
+            self._suspects[relpath] = (part, list(state.segments))
+            self._parts[relpath] = await trio.to_thread.run_sync(local.part, relpath)
+            board.restart(relpath, single_source=True)
+        self._notify()
+
+    async def _blame(self, relpath: str) -> None:
+        """Compare a bad copy (several senders) with the verified file: blacklist each sender whose bytes differ."""
+        local = self.local
+        assert local is not None
+        suspect, segments = self._suspects.pop(relpath)
+        good = local.path / relpath
+
+        def differing() -> set[str]:
+            out = set()
+            with open(good, "rb") as fh:
+                for peer, start, end in segments:
+                    at = start
+                    while at < end and peer not in out:
+                        n = min(1 << 20, end - at)
+                        fh.seek(at)
+                        if fh.read(n) != suspect.read(at, n):
+                            out.add(peer)
+                        at += n
+            return out
+
+        try:
+            liars = await trio.to_thread.run_sync(differing)
+        finally:
+            suspect.discard()
+        for peer in sorted(liars):
+            await self._blacklist_now(self.sources[peer], f"sent wrong bytes of {relpath} (found by comparing with a verified copy)")
+
+    def _blacklist(self, src: Source, reason: str) -> None:
+        if src.state == "blacklisted":
+            return
+        src.state, src.reason = "blacklisted", reason
+        self._event("blacklisted", src.peer_id, reason=reason)
+        log.warning("blacklisted %s: %s", src.peer_id, reason)
+        self._notify()
+
+    async def _blacklist_now(self, src: Source, reason: str) -> None:
+        """Blacklist and discard the peer's bytes in unfinished files at once, unless its worker is mid-piece
+        (that worker stops at its next chunk and discards them on the way out)."""
+        self._blacklist(src, reason)
+        board = self._board
+        if board is not None and src.peer_id not in board.in_flight:
+            await self._forget_bytes(board.discard_from(src.peer_id))
+
+    def _drop(self, src: Source, reason: str) -> None:
+        if src.state != "ok":
+            return
+        src.state, src.reason = "dropped", reason
+        self._event("dropped", src.peer_id, reason=reason)
+
+    async def _forget_bytes(self, relpaths: list[str]) -> None:
+        """Files whose bytes were discarded must hash from the start again."""
+        for relpath in relpaths:
+            async with self._locks[relpath]:
+                self._parts[relpath].forget_hash()

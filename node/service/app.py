@@ -1,0 +1,319 @@
+"""The ASGI app (starlette): the OpenAI-compatible API, `/metrics` and the swarm page (`/`, `/api/swarm`).
+
+The key guards `/v1` only: `/metrics`, the page and its JSON are public and show no prompts,
+texts or keys (`swarm_api`).
+
+Every request is checked in the order a client can fix it: the key (401), the body (400,
+naming the field), the model (404), the context (400), a complete route (503), a place in
+the queue (429). Only then does the generation run, inside the response, next to a task
+that listens for the client going away: that cancels the generation, which closes its route
+session on the peers at once. A stream's HTTP status is sent with its first tokens, so a route
+that fails before them still gets a proper error status; a failure after them is sent as an
+error event (the `openai` client raises it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from .admission import Busy
+from .openai_wire import (
+    SSE_DONE,
+    WireError,
+    chunk_body,
+    completion_body,
+    models_body,
+    parse_request,
+    sse,
+    usage_chunk,
+)
+from .runner import CLIENT_GONE, Finished, Job, ServiceState, no_route_error, record, run_job
+from .swarm_api import page_routes
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Events = trio.MemoryReceiveChannel[tuple[str, Any]]
+
+ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+ROUTE_MAX_AGE_S = 2.0  # a request that finds no route surveys again when the last survey is older
+MAX_BODY_BYTES = 8 * 2**20  # far above any context's worth of text; bigger bodies get 413
+
+
+def service_of(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+def check_key(state: ServiceState, request: Request) -> None:
+    """401 unless the request carries the service's key as a bearer token (when it has one)."""
+    if state.api_key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if not auth:
+        raise WireError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise WireError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """Client errors other than 429 tell the `openai` client that retrying will not help."""
+    return {"x-should-retry": "false"} if 400 <= status < 500 and status != 429 else {}
+
+
+def error_response(exc: WireError) -> JSONResponse:
+    """An OpenAI error object with its status."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=retry_headers(exc.status))
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 once it grows past `MAX_BODY_BYTES`."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise WireError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _route_or_503(state: ServiceState) -> None:
+    """A complete route is known (surveying again if the last view has none and is not fresh), else 503."""
+    if state.swarm.hops is not None:
+        return
+    try:
+        await state.swarm.refresh(max_age_s=ROUTE_MAX_AGE_S)
+    except Exception as exc:  # the DHT or the probes failed, or the survey timed out
+        raise WireError(503, f"cannot survey the swarm: {exc!r}", type="server_error", code="no_route") from None
+    if state.swarm.hops is None:
+        raise no_route_error(state.swarm.missing)
+
+
+async def list_models(request: Request) -> Response:
+    state = service_of(request)
+    check_key(state, request)
+    if state.swarm.hops is None:
+        try:
+            await state.swarm.refresh(max_age_s=ROUTE_MAX_AGE_S)
+        except Exception:  # answer with what is known
+            pass
+    view = state.swarm.view
+    models = []
+    if view is not None and view.plan is not None:
+        head = state.head
+        peers = [{"peer_id": r.peer_id, "start": r.start, "end": r.end,
+                  "rtt_ms": None if view.rtts.get(r.peer_id) is None else round(view.rtts[r.peer_id] * 1000, 3)}
+                 for r in sorted(view.records, key=lambda r: (r.start, r.end, r.peer_id))]
+        route = [{"peer_id": h.peer_id, "start": h.start, "end": h.end} for h in view.plan.hops]
+        models.append({"id": head.model_id, "created": head.created, "owned_by": "dsd", "dsd": {
+            "num_layers": head.num_layers, "context_length": head.context_limit, "mode": head.options.mode,
+            "peers": peers, "spans": [[p["start"], p["end"]] for p in peers], "route": route,
+            "est_round_ms": round(view.plan.est_round_s * 1000, 3), "surveyed": round(state.swarm.surveyed_unix, 3),
+        }})
+    state.metrics.requests.labels(endpoint="models", status="200").inc()
+    return JSONResponse(models_body(models))
+
+
+async def _completion(request: Request, chat: bool) -> Any:
+    state = service_of(request)
+    arrived = trio.current_time()
+    check_key(state, request)
+    req = parse_request(await read_body(request), chat=chat)
+    state.head.check_model(req.model)
+    plan = state.head.plan(req)
+    await _route_or_503(state)
+    try:
+        slot = state.admission.reserve()
+    except Busy as exc:
+        raise WireError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded") from None
+    prefix = "chatcmpl" if chat else "cmpl"
+    job = Job(req=req, plan=plan, slot=slot, endpoint="chat" if chat else "completions",
+              rid=f"{prefix}-{uuid.uuid4().hex[:24]}", created=int(time.time()), arrived=arrived)
+    return GenerationResponse(state, job)
+
+
+async def chat_completions(request: Request) -> Any:
+    return await _completion(request, chat=True)
+
+
+async def completions(request: Request) -> Any:
+    return await _completion(request, chat=False)
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = service_of(request).metrics.render()
+    return Response(body, headers={"content-type": content_type})
+
+
+class GenerationResponse:
+    """The ASGI response of one admitted completion request: runs the generation while it answers."""
+
+    def __init__(self, state: ServiceState, job: Job) -> None:
+        self.state = state
+        self.job = job
+        self.status = 0  # the HTTP status sent (0: nothing sent yet)
+        self.gone = False  # the client went away before the answer was complete
+        self.complete = False  # the answer's last byte was handed to the server
+        self._scope = trio.CancelScope()
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        events_in, events = trio.open_memory_channel[tuple[str, Any]](math.inf)
+        outcome: tuple[Finished | None, str | None] = (None, None)
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_client, receive)
+                    nursery.start_soon(self._produce, events_in)
+                    answer = self._stream if self.job.req.stream else self._whole
+                    outcome = await answer(events, send)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.job.slot.release()  # a request cancelled while still queued never held a running slot
+            finished, error = outcome
+            if self.gone:
+                status, error = CLIENT_GONE, "the client went away"
+            elif not self.status:  # cancelled before answering: the server is shutting down
+                status, error = 503, "cancelled: the server is shutting down"
+            else:
+                status = self.status
+            record(self.state, self.job, status, finished, error)
+
+    def _client_gone(self) -> None:
+        """Stop everything of this request: the generation and its route session end by cancellation."""
+        if not self.complete:
+            self.gone = True
+            self._scope.cancel()
+
+    async def _watch_client(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._client_gone()
+                return
+
+    async def _produce(self, events: trio.MemorySendChannel[tuple[str, Any]]) -> None:
+        """Run the generation; every outcome becomes an event (an unexpected error too: never crash the app)."""
+        try:
+            finished = await run_job(self.state, self.job, lambda text: events.send_nowait(("text", text)))
+            events.send_nowait(("done", finished))
+        except WireError as exc:
+            events.send_nowait(("error", exc))
+        except Exception as exc:
+            log.exception("request %s failed", self.job.rid)
+            events.send_nowait(("error", WireError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                   type="server_error", code="internal")))
+
+    async def _send(self, send: Send, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True  # a client that leaves from now on has its whole answer
+        try:
+            await send(message)
+        except Exception:  # the connection is gone
+            self._client_gone()
+            await trio.lowlevel.checkpoint()  # raises Cancelled: this request's scope is cancelled
+
+    async def _start(self, send: Send, status: int, content_type: str) -> None:
+        self.status = status
+        headers = [(b"content-type", content_type.encode())]
+        headers += [(k.encode(), v.encode()) for k, v in retry_headers(status).items()]
+        if content_type.startswith("text/event-stream"):
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await self._send(send, {"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _json(self, send: Send, status: int, body: dict[str, Any]) -> None:
+        await self._start(send, status, "application/json")
+        await self._send(send, {"type": "http.response.body", "body": json.dumps(body).encode()})
+
+    async def _whole(self, events: Events, send: Send) -> tuple[Finished | None, str | None]:
+        """A non-streamed answer: wait for the end, answer once."""
+        job = self.job
+        async for kind, value in events:
+            if kind == "done":
+                body = completion_body(job.req, rid=job.rid, created=job.created, model=self.state.head.model_id,
+                                       text=value.text, finish_reason=value.finish_reason, usage=value.usage,
+                                       dsd=value.dsd)
+                await self._json(send, 200, body)
+                return value, None
+            if kind == "error":
+                await self._json(send, value.status, value.body())
+                return None, value.message
+        raise AssertionError("the generation ended without an outcome")
+
+    async def _stream(self, events: Events, send: Send) -> tuple[Finished | None, str | None]:
+        """Server-sent events: the status and the first chunk when the first tokens come, deltas, the end, [DONE]."""
+        req = self.job.req
+        ids = {"rid": self.job.rid, "created": self.job.created, "model": self.state.head.model_id}
+
+        async def event(data: bytes, more: bool = True) -> None:
+            await self._send(send, {"type": "http.response.body", "body": data, "more_body": more})
+
+        async for kind, value in events:
+            if kind == "error":
+                if not self.status:  # nothing was generated: a proper status
+                    await self._json(send, value.status, value.body())
+                else:
+                    await event(sse(value.body()), more=False)
+                return None, value.message
+            if not self.status:
+                await self._start(send, 200, "text/event-stream; charset=utf-8")
+                await event(sse(chunk_body(req, **ids, text=value if kind == "text" else "", first=True)))
+            elif kind == "text" and value:
+                await event(sse(chunk_body(req, **ids, text=value)))
+            if kind == "done":
+                done: Finished = value
+                if done.tail:
+                    await event(sse(chunk_body(req, **ids, text=done.tail)))
+                last = chunk_body(req, **ids, finish_reason=done.finish_reason)
+                if req.include_usage:
+                    await event(sse(last))
+                    last = usage_chunk(req, **ids, usage=done.usage)
+                await event(sse({**last, "dsd": done.dsd}))  # the dsd statistics ride on the last chunk
+                await event(SSE_DONE, more=False)
+                return done, None
+        raise AssertionError("the generation ended without an outcome")
+
+
+def build_app(state: ServiceState, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """The service's ASGI app: the API, `/metrics`, the swarm page (`/`, `/api/swarm`) and `extra_routes`."""
+    routes: list[BaseRoute] = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *page_routes(),
+        *extra_routes,
+    ]
+
+    async def wire_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, WireError)
+        endpoint = ENDPOINTS.get(request.url.path, "other")
+        service_of(request).metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+        log.log(logging.WARNING if exc.status >= 500 else logging.INFO, "%s %s %d: %s", request.method,
+                request.url.path, exc.status, exc.message)
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        what = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        return error_response(WireError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                        code=what))
+
+    app = Starlette(routes=routes, exception_handlers={WireError: wire_error, HTTPException: http_error})
+    app.state.service = state
+    return app

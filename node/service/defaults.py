@@ -1,0 +1,8 @@
+"""The service's defaults, in a module without imports so `dsd-node --help` can show them at once."""
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_CONCURRENT = 4  # block peers admit 8 sessions per head by default (ServerLimits.max_sessions_per_peer)
+DEFAULT_QUEUE = 16  # requests that may wait for a slot before the service answers 429
+DEFAULT_MAX_TOKENS = 512  # completion tokens of a request without max_tokens (and at most what the context leaves)
+DEFAULT_REFRESH_S = 15.0  # seconds between background surveys of the swarm

@@ -1,0 +1,153 @@
+"""The head the service keeps loaded: the target's ends, its tokenizer, the draft model, end-of-sequence ids.
+
+Loaded once at start-up; every request gets its own drafter (its sampling settings, seed and
+draft cache, the draft model's weights shared: `request_drafter`) and its own generation
+settings from the request (`generation_config`). The context limit is the model's positions,
+capped by what block peers accept per session by default (`--max-len`), or `--max-context`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsd.node.head.config import GenerationConfig
+from dsd.node.head.deadline import DeadlineRule
+from dsd.node.head.sampling import SamplingParams
+from dsd.node.head.setup import (
+    HeadSetup,
+    PromptError,
+    chat_ids,
+    eos_ids,
+    load_head_setup,
+    request_drafter,
+)
+from dsd.node.server.ledger import ServerLimits
+from dsd.shard_store import Store
+
+from .defaults import DEFAULT_MAX_TOKENS
+from .openai_wire import CompletionRequest, WireError, bad_param, context_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """How the service's head drafts and verifies (the `generate` options that are not per request)."""
+
+    store: Path
+    draft: str = "ngram"
+    draft_quant: str = "none"
+    mode: str = "dsd"
+    branches: int = 8
+    tree_nodes: int | None = None
+    gamma_max: int = 16
+    tau_max: float = 0.0  # dsd-adaptive only
+    deadline: DeadlineRule = field(default_factory=DeadlineRule)
+    max_context: int | None = None  # None: the model's positions, at most the peers' default --max-len
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request made concrete: its prompt ids and generation settings."""
+
+    prompt: list[int]
+    cfg: GenerationConfig
+    max_tokens: int
+
+
+class ServedHead:
+    """The head, the tokenizer and the drafter, loaded once and shared by every request."""
+
+    def __init__(self, setup: HeadSetup, tokenizer: Any, store: Store, options: HeadOptions) -> None:
+        self.setup = setup
+        self.tokenizer = tokenizer
+        self.options = options
+        self.model_id = setup.model_id
+        self.num_layers = setup.num_layers
+        self.eos_ids = eos_ids(tokenizer, store.manifest) if tokenizer is not None else frozenset()
+        positions = store.manifest.config.get("max_position_embeddings")
+        limit = int(positions) if isinstance(positions, int) and positions > 0 else ServerLimits().max_len
+        self.context_limit = options.max_context or min(limit, ServerLimits().max_len)
+        self.created = int(time.time())
+
+    @classmethod
+    def load(cls, options: HeadOptions) -> ServedHead:
+        """Load the target's ends, tokenizer and draft (slow: run it in a worker thread)."""
+        if options.tree_nodes and options.mode != "ar" and "ngram" in options.draft.split("+"):
+            raise ValueError("--tree-nodes N needs a draft model store without ngram; use auto or 0")
+        store = Store(options.store)
+        setup, tokenizer = load_head_setup(options.store, options.draft, SamplingParams(), 0, quant=options.draft_quant)
+        return cls(setup, tokenizer, store, options)
+
+    @property
+    def chat_ready(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def prompt_ids(self, req: CompletionRequest) -> list[int]:
+        """The request's prompt as token ids (the chat template for chat); 400 when it cannot be encoded."""
+        if isinstance(req.prompt, list):
+            bad = [t for t in req.prompt if not 0 <= t < self.setup.vocab_size]
+            if bad:
+                raise bad_param("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {self.setup.vocab_size})")
+            return list(req.prompt)
+        if self.tokenizer is None:
+            raise bad_param("messages" if req.chat else "prompt",
+                            "this model's store has no tokenizer: send the prompt as token ids to /v1/completions")
+        try:
+            ids = chat_ids(self.tokenizer, list(req.messages)) if req.chat else list(self.tokenizer(req.prompt)["input_ids"])
+        except PromptError as exc:
+            raise bad_param("messages", f"{exc}: use /v1/completions", "unsupported") from None
+        except Exception as exc:  # a template can refuse a conversation (roles out of order, say)
+            raise bad_param("messages", f"the chat template refused these messages: {exc}") from None
+        if not ids:
+            raise bad_param("messages" if req.chat else "prompt", "the prompt is empty")
+        return ids
+
+    def plan(self, req: CompletionRequest) -> Plan:
+        """Prompt ids and generation settings of a request; 400 when they do not fit the context."""
+        prompt = self.prompt_ids(req)
+        opts = self.options
+        slack = self._slack()
+        room = self.context_limit - len(prompt) - slack
+        if req.max_tokens is not None and req.max_tokens > self.context_limit:
+            raise bad_param("max_tokens", f"max_tokens must be at most {self.context_limit} (this model's context "
+                                          f"length), got {req.max_tokens}")
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(opts.default_max_tokens, room)
+        if max_tokens < 1 or max_tokens > room:
+            raise context_error(req, len(prompt), max(1, max_tokens), self.context_limit, slack)
+        seed = req.seed if req.seed is not None else secrets.randbits(62)
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        cfg = GenerationConfig(
+            mode=opts.mode, max_new_tokens=max_tokens, params=params, gamma_max=opts.gamma_max,
+            tau_max=opts.tau_max if opts.mode == "dsd-adaptive" else 0.0, seed=seed, eos_ids=self.eos_ids,
+            stop_strings=req.stop, branches=opts.branches, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
+        )
+        if req.stop and self.tokenizer is None:
+            raise bad_param("stop", "stop strings need the model's tokenizer, and its store has none")
+        return Plan(prompt, cfg, max_tokens)
+
+    def _slack(self) -> int:
+        """KV rows a session needs beyond prompt + completion: the widest window (see `generate_once`)."""
+        probe = GenerationConfig(gamma_max=self.options.gamma_max, tree_nodes=self.options.tree_nodes)
+        return probe.max_window_nodes + 2
+
+    def setup_for(self, cfg: GenerationConfig) -> HeadSetup:
+        """The head setup of one generation: a drafter of its own with the request's sampling settings."""
+        return dataclasses.replace(self.setup, drafter=request_drafter(self.setup.drafter, cfg.params, cfg.seed))
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise WireError(404, f"the model {model!r} does not exist here; this server serves {self.model_id!r}",
+                            code="model_not_found", param="model")

@@ -1,0 +1,223 @@
+"""Running one admitted request: wait for a slot, generate over the swarm streaming text, report, record.
+
+The service's state (`ServiceState`) holds what every request shares: the loaded head, the
+head's libp2p node, the swarm view, the admission limiter, the metrics and the last requests'
+records (the swarm page shows them). A generation starts on the last surveyed route; if that
+route fails before the first token, the swarm is surveyed again and the generation starts
+over once (nothing was shown yet). Text is handed out by `TextStreamer`: complete characters
+only and never the start of a stop string; the final text leaves the stop string out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+
+from dsd.discovery.host import P2PNode
+from dsd.discovery.planner import NoRouteError
+from dsd.node.head.streaming import TextStreamer
+from dsd.node.peer.head import GenerationFailed, generate_on
+from dsd.node.route.legs import ReturnLegs
+
+from .admission import Admission, Slot
+from .head import Plan, ServedHead
+from .metrics import ServiceMetrics
+from .openai_wire import CompletionRequest, WireError, cut_at_stop, usage_body
+from .swarm import SwarmWatch
+
+log = logging.getLogger(__name__)
+
+RECORDS_KEPT = 100
+CLIENT_GONE = 499  # the status recorded for a request whose client went away (nginx's convention)
+
+
+@dataclass
+class RequestRecord:
+    """One finished request, as the swarm page lists it. `speedup_est` is tokens per round trip: the
+    speedup over one-token-per-trip decoding on the same route when round trips dominate the time."""
+
+    id: str
+    endpoint: str
+    status: int
+    arrived_unix: float
+    elapsed_s: float
+    queued_s: float
+    ttft_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    tokens_per_s: float
+    mean_accepted: float
+    tokens_per_trip: float
+    speedup_est: float | None
+    route: list[str]
+    failovers: int
+    mode: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ServiceState:
+    """What every request of one service shares."""
+
+    head: ServedHead
+    node: P2PNode
+    legs: ReturnLegs
+    swarm: SwarmWatch
+    admission: Admission
+    metrics: ServiceMetrics
+    api_key: str | None = None
+    records: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=RECORDS_KEPT))
+    started_unix: float = field(default_factory=time.time)
+
+
+@dataclass
+class Job:
+    """One admitted completion request and what happened to it so far (trio clock times)."""
+
+    req: CompletionRequest
+    plan: Plan
+    slot: Slot
+    endpoint: str
+    rid: str
+    created: int
+    arrived: float
+    started: float | None = None
+    first_token_at: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrived
+
+
+@dataclass
+class Finished:
+    """The end of a generation: the final text, the part not streamed yet, and the statistics."""
+
+    text: str
+    tail: str
+    finish_reason: str
+    usage: dict[str, int]
+    dsd: dict[str, Any]
+    report: dict[str, Any]
+
+
+def no_route_error(exc: NoRouteError) -> WireError:
+    """503 naming the blocks no live peer serves (the planner's message says which and why)."""
+    return WireError(503, f"no complete route through the swarm: {exc}", type="server_error", code="no_route")
+
+
+def dsd_stats(report: dict[str, Any], job: Job) -> dict[str, Any]:
+    """The `dsd` extension of a response: how the speculative decoding went and over which route."""
+    return {
+        "mode": report.get("mode"),
+        "rounds": report.get("rounds", 0),
+        "mean_accepted": report.get("mean_accepted", 0.0),
+        "acceptance_rate": report.get("acceptance_rate", 0.0),
+        "tokens_per_trip": report.get("tokens_per_trip", 0.0),
+        "ready_share": report.get("ready_share", 0.0),
+        "route": report.get("route", []),
+        "spans": report.get("spans", []),
+        "failovers": report.get("failovers", 0),
+        "elapsed_s": report.get("elapsed_s", 0.0),
+        "tokens_per_s": report.get("tokens_per_s", 0.0),
+        "queued_s": round(job.slot.queued_s, 4),
+        "ttft_s": None if job.ttft_s is None else round(job.ttft_s, 4),
+    }
+
+
+async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int]], None]) -> dict[str, Any]:
+    """Generate over the last surveyed route; survey again and start over once if it fails before the first token."""
+    head, cfg = state.head, job.plan.cfg
+    hops = state.swarm.hops
+    for attempt in (1, 2):
+        try:
+            return await generate_on(state.node, state.legs, head.setup_for(cfg), job.plan.prompt, cfg, hops=hops,
+                                     tokenizer=head.tokenizer, on_tokens=on_tokens)
+        except GenerationFailed as exc:
+            if isinstance(exc.cause, NoRouteError):
+                state.metrics.failures.labels(cause="no_route").inc()
+                raise no_route_error(exc.cause) from None
+            if attempt == 1 and job.first_token_at is None:
+                log.info("request %s: the route failed before the first token (%s); surveying again", job.rid, exc)
+                view = await state.swarm.refresh()
+                if view.plan is None:
+                    state.metrics.failures.labels(cause="no_route").inc()
+                    raise no_route_error(state.swarm.missing) from None
+                hops = state.swarm.hops
+                continue
+            state.metrics.failures.labels(cause="route_failed").inc()
+            state.swarm.poke()
+            raise WireError(502, f"generation failed after {len(exc.tokens)} tokens: {exc}", type="server_error",
+                            code="route_failed") from None
+    raise AssertionError("unreachable")
+
+
+async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) -> Finished:
+    """Wait for a slot, generate (calling `emit` with each new piece of text, "" for tokens that show nothing
+    yet), and return the end. Raises `WireError`; cancellation (the client went away) ends the generation and
+    its route session."""
+    head, plan = state.head, job.plan
+    async with job.slot:
+        job.started = trio.current_time()
+        streamer = TextStreamer(head.tokenizer, plan.cfg.stop_strings) if head.tokenizer is not None else None
+
+        def on_tokens(tokens: list[int]) -> None:
+            if job.first_token_at is None:
+                job.first_token_at = trio.current_time()
+            emit(streamer.push(tokens) if streamer is not None else "")
+
+        report = await _generate(state, job, on_tokens)
+    if report.get("failovers"):
+        state.swarm.poke()
+    tokens = [int(t) for t in report["tokens"]]
+    text, stopped = cut_at_stop(head.decode(tokens), plan.cfg.stop_strings)
+    ended = stopped or bool(tokens and tokens[-1] in plan.cfg.eos_ids)
+    finish = "stop" if ended or len(tokens) < plan.max_tokens else "length"
+    shown = streamer.emitted if streamer is not None else 0
+    usage = usage_body(len(plan.prompt), len(tokens))
+    return Finished(text=text, tail=text[shown:], finish_reason=finish, usage=usage, dsd=dsd_stats(report, job),
+                    report=report)
+
+
+def record(state: ServiceState, job: Job, status: int, finished: Finished | None, error: str | None) -> RequestRecord:
+    """Count a finished request in the metrics, keep its record for the page and log it."""
+    now = trio.current_time()
+    report = finished.report if finished is not None else {}
+    n = int(report.get("new_tokens", 0))
+    trips = float(report.get("tokens_per_trip", 0.0))
+    rec = RequestRecord(
+        id=job.rid, endpoint=job.endpoint, status=status, arrived_unix=round(time.time() - (now - job.arrived), 3),
+        elapsed_s=round(now - job.arrived, 4), queued_s=round(job.slot.queued_s, 4),
+        ttft_s=None if job.ttft_s is None else round(job.ttft_s, 4), prompt_tokens=len(job.plan.prompt),
+        completion_tokens=n, tokens_per_s=float(report.get("tokens_per_s", 0.0)),
+        mean_accepted=float(report.get("mean_accepted", 0.0)), tokens_per_trip=trips,
+        speedup_est=trips if report.get("rounds") else None, route=list(report.get("route", [])),
+        failovers=int(report.get("failovers", 0)), mode=str(report.get("mode", state.head.options.mode)),
+        finish_reason=finished.finish_reason if finished is not None else None, error=error,
+    )
+    state.records.append(rec)
+    state.metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
+    if finished is not None:
+        state.metrics.observe_generation(report, len(job.plan.prompt), job.ttft_s)
+    if status == 200:
+        route = ", ".join(p[-8:] for p in rec.route)
+        log.info("%s %s 200 in %.2f s: %d+%d tokens, %.1f tok/s, ttft %.3f s, queued %.2f s, mean accepted %.2f, "
+                 "%.2f tokens/trip, route %s%s", job.endpoint, job.rid, rec.elapsed_s, rec.prompt_tokens, n,
+                 rec.tokens_per_s, rec.ttft_s or 0.0, rec.queued_s, rec.mean_accepted, trips, route,
+                 f", {rec.failovers} failovers" if rec.failovers else "")
+    elif status == CLIENT_GONE:
+        log.info("%s %s: the client went away after %.2f s; generation cancelled", job.endpoint, job.rid,
+                 rec.elapsed_s)
+    else:
+        log.warning("%s %s %d after %.2f s: %s", job.endpoint, job.rid, status, rec.elapsed_s, error)
+    return rec

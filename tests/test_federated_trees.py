@@ -1,0 +1,96 @@
+"""Token-tree windows with federated workers: the federated backend sends a tree window whole (parents) to
+every worker, which answers top-K per node, and commits the accepted path with `keep`; the engine verifies
+the aggregate's rows as a tree.
+
+Over real worker daemons (two tiny Qwen2 models sharing a vocabulary, from test_federated_network): greedy
+generation with a fixed node budget equals greedy decoding of the weighted average of the workers' full
+distributions (K = V) in `sd` and `dsd`, and `dsd-node generate --federated --tree-nodes N` over the target
+alone equals HF generate. In-process, sampling at T = 1 with tree windows over a probability backend (the
+rows already warped, as federated workers send them) keeps the target's distribution (chi-square), and
+reading those probabilities as logits fails the same test."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from test_federated_logic import ProbsBackend
+from test_federated_network import V, models, net, reference, run, worker_b_root  # noqa: F401
+from test_head_engine_sampling import ALPHA, BROKEN_RUNS, PROMPT, RUNS, T1, TREE_NODES, p_values
+from test_head_engine_sampling import models as sampling_models  # noqa: F401
+
+from conftest import cli, hf_greedy
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+
+N_NEW = 16
+PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 8, 9]]
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("mode", ["sd", "dsd"])
+def test_greedy_tree_windows_over_workers_equal_greedy_decoding_of_the_average(net, models, mode: str) -> None:  # noqa: F811
+    weights = (0.7, 0.3)
+    for prompt in PROMPTS:
+        report = run(net, prompt, GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=10), top_k=V, weights=weights)
+        assert report["tokens"] == reference(models, prompt, N_NEW, weights), (mode, prompt)
+        assert report["tree_windows"] > 0 and report["mean_tree_nodes"] > report["mean_window_depth"]
+        assert report["missed"] == 0 and report["dropped"] == 0
+        for w in report["workers"]:
+            assert w["state"] == "active" and w["windows_answered"] == report["windows"] == report["rounds"]
+
+
+@pytest.mark.network
+def test_cli_generate_federated_with_tree_nodes_equals_the_targets_greedy(net, tiny_qwen2_dir: Path,  # noqa: F811
+                                                                         tiny_qwen2_draft_store: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS[0]
+    out = cli("generate", "--federated", "--bootstrap", net["bootstrap"], "--store", str(tiny_qwen2_draft_store),
+              "--workers", net["a"]["peer_id"], "--prompt-ids", ",".join(map(str, prompt)), "--mode", "dsd",
+              "--max-new-tokens", str(N_NEW), "--tree-nodes", "8", "--json", timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
+    assert report["tokens"] == hf_greedy(target, prompt, N_NEW)
+    assert report["tree_windows"] > 0 and report["workers"][0]["k"] == 64  # the default K: argmax is exact
+
+
+class ProbsAsLogits(ProbsBackend):
+    """A broken probability backend: it does not say its rows are probabilities, so they are read as logits."""
+
+    returns_probs = False
+
+
+def first_pairs(models, backend_type: type[ProbsBackend], runs: int) -> list[tuple[int, int]]:  # noqa: F811
+    """The first two tokens of `runs` tree `sd` generations at T = 1 over a probability backend."""
+    head, span, draft, _ = models
+
+    async def main() -> list[tuple[int, int]]:
+        pairs = []
+        for seed in range(runs):
+            backend = backend_type(head, [span], 1.0)
+            drafter = ModelDrafter(draft, T1, torch.Generator().manual_seed(10**6 + seed))
+            cfg = GenerationConfig(mode="sd", max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=TREE_NODES)
+            result = await HeadEngine(backend, drafter, cfg).generate(PROMPT)
+            assert result.tree_windows == 1  # the second window was a tree of the draft's top TREE_NODES
+            pairs.append((result.tokens[0], result.tokens[1]))
+        return pairs
+
+    return trio.run(main)
+
+
+def test_tree_sampling_over_probabilities_follows_the_target(sampling_models) -> None:  # noqa: F811
+    pairs = first_pairs(sampling_models, ProbsBackend, RUNS)
+    p_first, p_joint = p_values(sampling_models, pairs)
+    print(f"\nprobability rows, tree sd: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}; "
+          f"{len(Counter(pairs))} distinct pairs")
+    assert p_first > ALPHA and p_joint > ALPHA
+    broken = first_pairs(sampling_models, ProbsAsLogits, BROKEN_RUNS)
+    p_first, p_joint = p_values(sampling_models, broken)
+    print(f"probabilities read as logits: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}")
+    assert p_first < ALPHA and p_joint < ALPHA

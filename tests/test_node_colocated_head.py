@@ -1,0 +1,185 @@
+"""A co-located head (`generate --blocks A:B`): the head serves the model's first (or last) layers itself and
+the route covers the rest, over real daemons on loopback serving only those layers (tiny random Qwen2, 5
+layers split as a 3-peer testnet would: 0:2, 2:4, 4:5). Greedy output equals HF generate token for token in
+`sd` and `dsd`, with token trees (auto, a fixed budget) and without; the route has one peer fewer than the
+ring (the `--json` hops mark the head's own span `local`); bad spans are refused before any network; and a
+peer killed with a tree window in flight is replaced while the head's own span is rebuilt consistently."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from test_node_tree_generation import (  # noqa: F401
+    MODEL,
+    PROMPTS,
+    KillOnTree,
+    noisy_draft,
+    noisy_draft_store,
+    reference,
+)
+
+from conftest import cli, hf_greedy
+from dsd.discovery.survey import wait_for_route
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.sampling import SamplingParams
+from dsd.node.head.setup import HeadSetup
+from dsd.node.peer.host import head_node
+from dsd.node.route.generate import generate_once
+from dsd.node.route.keeper import open_route_keeper
+from dsd.node.testnet.processes import PeerProcess, spawn, stop_processes, wait_ready
+from dsd.shard_store import Store
+
+pytestmark = pytest.mark.network
+
+N_NEW = 20
+LAYERS = 5
+
+
+class Swarm:
+    """A bootstrap node plus block daemons started one by one (each with its own span), stopped together."""
+
+    def __init__(self, store: Path, state: Path) -> None:
+        self.store = store
+        self.state = state
+        self.procs: list[PeerProcess] = []
+        boot = self._spawn("bootstrap", ["start", "--bootstrap-only"])
+        self.bootstrap = boot["addrs"][0]
+
+    def _spawn(self, name: str, args: list[str]) -> dict:
+        ready = self.state / f"{name}.json"
+        proc = spawn(name, [*args, "--identity", str(self.state / f"{name}.key"), "--ready-file", str(ready)], self.state)
+        self.procs.append(proc)
+        info = wait_ready(ready, proc, 120)
+        info["pid"] = proc.pid
+        return info
+
+    def peer(self, name: str, blocks: str) -> dict:
+        return self._spawn(name, ["start", "--store", str(self.store), "--blocks", blocks, "--bootstrap", self.bootstrap,
+                                  "--threads", "1", "--record-ttl", "6"])
+
+    def wait_route(self, blocks: tuple[int, int]) -> None:
+        async def main() -> None:
+            async with head_node([self.bootstrap]) as (node, _legs):
+                await wait_for_route(node, MODEL, LAYERS, 60, poll_s=0.3, blocks=blocks)
+
+        trio.run(main)
+
+    def stop(self) -> None:
+        stop_processes([p.pid for p in reversed(self.procs)])
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict]]:
+    """Peers for blocks 2:4 and 4:5 only: the head serves 0:2."""
+    net = Swarm(tiny_qwen2_root / "store", tmp_path_factory.mktemp("colocated"))
+    try:
+        peers = {"mid": net.peer("mid", "2:4"), "last": net.peer("last", "4:5")}
+        net.wait_route((2, LAYERS))
+        yield net, peers
+    finally:
+        net.stop()
+
+
+def local_hops(report: dict) -> list[tuple[int, int]]:
+    return [(h["start"], h["end"]) for h in report["hops"] if h["local"]]
+
+
+def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
+                                                                 noisy_draft) -> None:  # noqa: F811
+    net, peers = swarm
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    trees: dict[tuple[str, int | None], int] = {}
+
+    async def main() -> None:
+        async with head_node([net.bootstrap]) as (node, legs):
+            for prompt in PROMPTS:
+                expected = hf_greedy(reference, prompt, N_NEW)
+                for mode in ("sd", "dsd"):
+                    for tree_nodes in (None, 12, 0):
+                        setup = HeadSetup(head, MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
+                        cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
+                        report = await generate_once(node, legs, setup, prompt, cfg, local_span=store.load_span(0, 2))
+                        assert report["tokens"] == expected, (mode, tree_nodes, prompt)
+                        assert report["route"] == [peers["mid"]["peer_id"], peers["last"]["peer_id"]]
+                        assert [(h["start"], h["end"], h["local"]) for h in report["hops"]] == [
+                            (0, 2, True), (2, 4, False), (4, 5, False)]
+                        assert report["hops"][0]["peer_id"] == node.peer_id
+                        trees[mode, tree_nodes] = trees.get((mode, tree_nodes), 0) + report["tree_windows"]
+
+    trio.run(main)
+    print(f"\ntree windows per (mode, budget): {trees}")
+    assert trees["sd", 12] > 0 and trees["dsd", 12] > 0 and trees["sd", 0] == trees["dsd", 0] == 0
+
+
+def test_cli_generate_blocks_reports_the_local_hop_and_refuses_bad_spans(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
+                                                                         noisy_draft_store: Path) -> None:  # noqa: F811
+    net, peers = swarm
+    prompt = PROMPTS[0]
+    common = ["generate", "--bootstrap", net.bootstrap, "--store", str(tiny_qwen2_root / "store"),
+              "--draft", str(noisy_draft_store), "--prompt-ids", ",".join(map(str, prompt)),
+              "--max-new-tokens", str(N_NEW), "--mode", "dsd", "--tree-nodes", "10", "--json"]
+    out = cli(*common, "--blocks", "0:2", timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["tokens"] == hf_greedy(reference, prompt, N_NEW)
+    assert len(report["route"]) == 2 and local_hops(report) == [(0, 2)]  # a 3-hop ring with one hop on the head
+    assert report["tree_windows"] > 0
+    out = cli(*common, "--blocks", "1:3", timeout=60)  # a span in the middle of the ring (other spans: test_discovery_planner)
+    assert out.returncode == 2 and "the head serves the first layers" in out.stderr, out.stderr[-1000:]
+
+
+def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
+                                                                noisy_draft) -> None:  # noqa: F811
+    """A peer for 0:2 joins; the head serves 4:5, so the ring ends before it and its span runs on each result."""
+    net, peers = swarm
+    first = net.peer("first", "0:2")
+    net.wait_route((0, 4))
+    store = Store(tiny_qwen2_root / "store")
+    prompt = PROMPTS[1]
+
+    async def main() -> None:
+        async with head_node([net.bootstrap]) as (node, legs):
+            for mode, tree_nodes in (("sd", 0), ("dsd", 12), ("sd", None)):
+                setup = HeadSetup(store.load_head(), MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
+                cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
+                report = await generate_once(node, legs, setup, prompt, cfg, local_span=store.load_span(4, 5))
+                assert report["tokens"] == hf_greedy(reference, prompt, N_NEW), (mode, tree_nodes)
+                assert report["route"] == [first["peer_id"], peers["mid"]["peer_id"]]
+                assert local_hops(report) == [(4, 5)] and report["hops"][-1]["local"]
+                if tree_nodes is not None:  # auto may choose either
+                    assert (report["tree_windows"] > 0) == (tree_nodes > 0)
+
+    trio.run(main)
+
+
+def test_a_peer_killed_with_a_tree_in_flight_is_replaced_and_the_head_span_replayed(
+    swarm, tiny_qwen2_root: Path, reference, noisy_draft  # noqa: F811
+) -> None:
+    """Runs last in this module: it kills the route's peer for 4:5; a second peer for 4:5 takes over."""
+    net, peers = swarm
+    standby = net.peer("standby", "4:5")
+    pids = {info["peer_id"]: info["pid"] for info in (*peers.values(), standby)}
+    store = Store(tiny_qwen2_root / "store")
+    prompt = PROMPTS[0]
+
+    async def main():
+        async with head_node([net.bootstrap]) as (node, legs):
+            async with open_route_keeper(node, legs, model=MODEL, num_layers=LAYERS, max_len=256, blocks=(2, LAYERS)) as keeper:
+                backend = KillOnTree(store.load_head(), keeper, timeout_s=60, pids=pids, local=store.load_span(0, 2))
+                drafter = ModelDrafter(noisy_draft, SamplingParams())
+                cfg = GenerationConfig(mode="dsd", max_new_tokens=N_NEW, tree_nodes=12)
+                result = await HeadEngine(backend, drafter, cfg).generate(prompt)
+                return result, backend, list(keeper.events), keeper.session.peers
+
+    result, backend, events, route = trio.run(main)
+    assert backend.killed is not None and backend.replayed_tree
+    assert len(events) == 1 and events[0].blamed == [backend.killed]
+    assert route[0] == peers["mid"]["peer_id"] and route[1] in pids and route[1] != backend.killed  # the other 4:5 peer
+    assert result.tree_windows > 1
+    assert result.tokens == hf_greedy(reference, prompt, N_NEW)
