@@ -10,7 +10,7 @@ from typing import Any
 
 from .dtypes import DTYPES
 from .errors import StoreError
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -33,6 +33,12 @@ def check_relpath(relpath: str) -> str:
     if not relpath or p.is_absolute() or ".." in p.parts or "\\" in relpath or relpath != str(p):
         raise StoreError(f"manifest: unsafe file path {relpath!r}")
     return relpath
+
+
+def file_matches(store_dir: Path, relpath: str, entry: dict[str, Any]) -> bool:
+    """True when the store's file exists with the manifest entry's size and sha256 (the one integrity check)."""
+    path = store_dir / check_relpath(relpath)
+    return path.is_file() and path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]
 
 
 @dataclass

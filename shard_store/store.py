@@ -13,8 +13,7 @@ from torch import nn
 from .dtypes import torch_dtype
 from .errors import StoreError
 from .families import FamilyAdapter, adapter_for, config_from_dict
-from .files import sha256_file
-from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, layer_file
+from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, file_matches, layer_file
 from .modules import HeadModule, SpanModule
 
 if TYPE_CHECKING:
@@ -64,16 +63,16 @@ class Store:
         return config
 
     # ---- integrity -------------------------------------------------------------------------
-    def verify(self, progress: Callable[[str, int, int], None] | None = None) -> list[str]:
-        """Re-hash every listed file; return the relpaths that are missing or whose size/sha256 differ."""
+    def verify(self, progress: Callable[[str, int, int], None] | None = None, only: list[str] | None = None) -> list[str]:
+        """Re-hash every listed file (or the listed files in `only`, e.g. a fetched span's); return the relpaths
+        that are missing or whose size/sha256 differ."""
+        relpaths = sorted(self.manifest.files) if only is None else list(only)
         bad: list[str] = []
-        total = len(self.manifest.files)
-        for done, (relpath, entry) in enumerate(sorted(self.manifest.files.items()), start=1):
-            path = self.path / relpath
-            if not path.is_file() or path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+        for done, relpath in enumerate(relpaths, start=1):
+            if not file_matches(self.path, relpath, self.manifest.files[relpath]):
                 bad.append(relpath)
             if progress is not None:
-                progress(relpath, done, total)
+                progress(relpath, done, len(relpaths))
         return bad
 
     def _checked(self, relpath: str) -> Path:

@@ -33,7 +33,7 @@ from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import peer_id_of
 from dsd.discovery.records import PeerRecord, RecordError, sign_record, verify_record
 from dsd.node.fetch.fetch import Fetcher, FetchRequest
-from dsd.node.fetch.local import manifest_sha256, verify_files
+from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import PieceBoard, files_for
 from dsd.node.fetch.serve import ShardServer
 from dsd.node.peer.host import head_node
@@ -335,7 +335,7 @@ def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swar
     assert report["peers"][victim_id]["bytes"] + report["peers"][other_id]["bytes"] == report["bytes_needed"]
     fetched = Store(tmp_path / "fetched")
     assert tree(fetched.path) == {"manifest.json", "fetched.json", *SPAN_FILES}
-    assert verify_files(fetched, SPAN_FILES) == []
+    assert fetched.verify(only=SPAN_FILES) == []
 
 
 def _frame(body: dict) -> bytes:

@@ -130,7 +130,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash every file of a store (of a fetched store: every file it fetched); exit 1 naming each one that is
     missing or does not match."""
-    from dsd.node.fetch.local import files_to_verify, manifest_sha256, verify_files
+    from dsd.node.fetch.local import files_to_verify, manifest_sha256
     from dsd.shard_store import Store, StoreError
 
     try:
@@ -139,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if marker is not None and marker.get("manifest_sha256") != manifest_sha256(args.store):
             return _err(f"{args.store}: the manifest is not the one the files were fetched for")
         with _progress("hashing", sys.stderr.isatty()) as progress:
-            bad = store.verify(progress=progress) if marker is None else verify_files(store, files, progress)
+            bad = store.verify(progress=progress, only=None if marker is None else files)
     except StoreError as exc:
         return _err(str(exc))
     if bad:

@@ -17,13 +17,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsd.shard_store import Manifest, Store, StoreError
+from dsd.shard_store import Manifest, StoreError
 from dsd.shard_store.files import atomic_write_bytes, sha256_file
-from dsd.shard_store.manifest import MANIFEST_NAME, check_relpath
+from dsd.shard_store.manifest import MANIFEST_NAME, check_relpath, file_matches
 
 MARKER_NAME = "fetched.json"
 PARTIAL_DIR = ".partial"
@@ -66,23 +65,6 @@ def files_to_verify(store_dir: str | Path, manifest: Manifest) -> tuple[list[str
     if unknown:
         raise StoreError(f"{store_dir}: the fetch record lists files the manifest does not: {', '.join(unknown[:5])}")
     return sorted(files), marker
-
-
-def _matches(store_dir: Path, relpath: str, entry: dict[str, Any]) -> bool:
-    """True when the store file exists with the manifest entry's size and sha256."""
-    path = store_dir / check_relpath(relpath)
-    return path.is_file() and path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]
-
-
-def verify_files(store: Store, relpaths: list[str], progress: Callable[[str, int, int], None] | None = None) -> list[str]:
-    """`Store.verify` for the files a fetched store holds: the relpaths missing or not matching size and sha256."""
-    bad = []
-    for done, relpath in enumerate(relpaths, start=1):
-        if not _matches(store.path, relpath, store.manifest.files[relpath]):
-            bad.append(relpath)
-        if progress is not None:
-            progress(relpath, done, len(relpaths))
-    return bad
 
 
 def _pid_alive(pid: int) -> bool:
@@ -190,7 +172,7 @@ class LocalStore:
 
     def holds(self, relpath: str) -> bool:
         """True when the file is in place at the manifest's size and sha256 (a finished file is never fetched again)."""
-        return _matches(self.path, relpath, self.manifest.files[relpath])
+        return file_matches(self.path, relpath, self.manifest.files[relpath])
 
     def part(self, relpath: str) -> PartFile:
         """A fresh part file for `relpath`."""
