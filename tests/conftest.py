@@ -204,3 +204,18 @@ def cli_testnet(state: Path, *args: str) -> Iterator[dict]:
         yield json.loads(up.stdout)
     finally:
         cli("testnet", "down", "--state", str(state), timeout=60)
+
+
+@contextlib.contextmanager
+def cli_serve(state: Path, bootstrap: str, store: Path, *args: str) -> Iterator[dict]:
+    """`dsd-node serve` on a free port for the block (ready file and log in STATE); yields its ready info + log."""
+    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+
+    proc = spawn("serve", ["serve", "--bootstrap", bootstrap, "--store", str(store), "--port", "0",
+                           "--ready-file", str(state / "serve.json"), "--threads", "1", *args], state)
+    try:
+        info = wait_ready(state / "serve.json", proc, 120)
+        yield {**info, "log": proc.log}
+    finally:
+        stop_processes([proc.pid])
+        print(f"serve log: {proc.log}")

@@ -3,15 +3,14 @@
 The service runs as a real `dsd-node serve` process; clients are the official `openai` client
 and raw httpx. Checked: /v1/models, greedy completions and chat (whole and streamed) equal to
 HF greedy, usage, stop strings, 8 concurrent streams against --max-concurrent 4 --queue 2,
-a client that disconnects mid-stream (the peers' open sessions, counted from their logs, drop
-to zero), bad input as OpenAI error objects, the API key, /metrics, and 503 naming the blocks
+a client that disconnects mid-stream (the peers' open-session gauges, scraped from their
+`--metrics-port`, drop to zero), bad input as OpenAI error objects, the API key, /metrics, and 503 naming the blocks
 a stopped peer leaves uncovered (last: it stops a peer of the shared testnet).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +23,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
-from conftest import cli_testnet, hf_greedy, save_tiny_model, tiny_tokenizer
-from dsd.node.testnet.processes import spawn, stop_processes, tail, wait_ready
+from conftest import cli_serve, cli_testnet, hf_greedy, save_tiny_model, tiny_tokenizer
+from dsd.node.testnet.processes import stop_processes, tail
 from dsd.shard_store import Store, convert
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
@@ -54,7 +53,8 @@ def chat_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def swarm(chat_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    with cli_testnet(tmp_path_factory.mktemp("service_net"), "--store", str(chat_root / "store"), "--peers", "2") as net:
+    with cli_testnet(tmp_path_factory.mktemp("service_net"), "--store", str(chat_root / "store"), "--peers", "2",
+                     "--metrics") as net:
         yield net
 
 
@@ -63,18 +63,10 @@ def server(swarm: dict, chat_root: Path, tiny_qwen2_draft_store: Path, tmp_path_
     """`dsd-node serve` on a free port with an API key, a draft model and 5 ms added to every frame it sends."""
     state = tmp_path_factory.mktemp("service")
     (state / "key").write_text(KEY + "\n")
-    proc = spawn("serve", [
-        "serve", "--bootstrap", swarm["bootstrap"], "--store", str(chat_root / "store"),
-        "--draft", str(tiny_qwen2_draft_store), "--port", "0", "--ready-file", str(state / "serve.json"),
-        "--api-key", str(state / "key"), "--max-concurrent", str(MAX_CONCURRENT), "--queue", str(QUEUE),
-        "--threads", "1", "--wan-latency-ms", "5",
-    ], state)
-    try:
-        info = wait_ready(state / "serve.json", proc, 120)
-        yield {**info, "log": proc.log}
-    finally:
-        stop_processes([proc.pid])
-        print(f"serve log: {proc.log}")
+    with cli_serve(state, swarm["bootstrap"], chat_root / "store", "--draft", str(tiny_qwen2_draft_store),
+                   "--api-key", str(state / "key"), "--max-concurrent", str(MAX_CONCURRENT), "--queue", str(QUEUE),
+                   "--wan-latency-ms", "5") as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +101,9 @@ def block_peers(swarm: dict) -> list[dict]:
 
 
 def open_sessions(peer: dict) -> int:
-    """Sessions a block peer holds now, from its log: each `open from` line until its `closed after` line."""
-    text = Path(peer["log"]).read_text(errors="replace")
-    return len(set(re.findall(r"session (\S+) open from", text)) - set(re.findall(r"session (\S+) closed after", text)))
+    """Sessions a block peer holds now: its `dsd_peer_sessions_open` gauge (`testnet up --metrics`)."""
+    text = httpx.get(peer["metrics_url"], timeout=10).text
+    return int(next(f.samples[0].value for f in text_string_to_metric_families(text) if f.name == "dsd_peer_sessions_open"))
 
 
 def metric_samples(server: dict) -> dict[str, list]:
@@ -253,11 +245,10 @@ def test_disconnect_mid_stream_closes_the_peers_sessions(server: dict, swarm: di
               "temperature": 0, "stream": True},
     ) as r:
         assert r.status_code == 200
+        lines = r.iter_lines()  # held open: leaving a `for` over it would close the connection at once
         events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: {")
-            if events == 5:
-                break
+        while events < 5:
+            events += next(lines).startswith("data: {")
         assert [open_sessions(p) for p in peers] == [1, 1]  # the generation is running on both peers
         closed_at = time.monotonic()
     assert wait_until(lambda: not any(open_sessions(p) for p in peers), 2.0 - (time.monotonic() - closed_at)), (
