@@ -3,20 +3,22 @@
 For each model kind (a tiny random target drafting for itself, or the default real pair) it starts a
 testnet (bootstrap + N block peers, every link delayed), one `dsd-node serve` process on the same
 emulated WAN, and then, for each client count C, C threads that each send R streamed
-`/v1/completions` requests back to back (greedy, fixed prompts, `max_tokens` each). Reported per
+`/v1/completions` requests back to back from one shared queue holding each of 10 fixed prompts `--reps`
+times (greedy, `max_tokens` each). Reported per
 level: requests/s and completion tokens/s over the level's wall time, p50/p95 time to the first
 streamed token (from sending the request), mean tokens per round trip and accepted drafts per round
 (the `dsd` statistics of each answer). One JSON on stdout, also saved under results/.
 
     python bench/serve_load.py                          # tiny, 4 peers, 40 ms, 1/4/8 clients
     python bench/serve_load.py --models real --clients 2
-    python bench/serve_load.py --clients 1 --requests 1 --max-tokens 8   # smoke check
+    python bench/serve_load.py --clients 1 --reps 1 --max-tokens 8   # smoke check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -36,11 +38,18 @@ from harness import (
     write_json,
 )
 
+# Fixed before any run: ten code prompts; every level sends each of them --reps times.
 PROMPTS = (
     'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
     "def is_prime(n):\n    # True when n is a prime number\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
     "import json\n\ndef load(path):\n    with open(path) as f:\n",
+    'def reverse_words(s: str) -> str:\n    """Reverse the order of the words in s."""\n',
+    "def flatten(xs):\n    # flatten a list of lists into one list\n",
+    'def gcd(a: int, b: int) -> int:\n    """Greatest common divisor of a and b."""\n',
+    "def count_vowels(text):\n    # how many vowels text holds\n",
+    'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
+    "def word_frequencies(text):\n    # a dict from each word to how often it occurs\n",
 )
 
 
@@ -79,16 +88,23 @@ def one_request(url: str, model: str, prompt: str | list[int], max_tokens: int) 
             "queued_s": dsd.get("queued_s")}
 
 
-def load_level(url: str, model: str, prompts: list[Any], clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
-    """`clients` threads, `requests` streamed requests each; throughput over the level's wall time."""
+def load_level(url: str, model: str, prompts: list[Any], clients: int, reps: int, max_tokens: int) -> dict[str, Any]:
+    """`clients` threads sharing one queue of every prompt `reps` times (the same work at every level);
+    throughput over the level's wall time."""
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
     start = threading.Barrier(clients)
+    queue = [p for _ in range(reps) for p in prompts]
+    load_before = os.getloadavg()
 
     def client(i: int) -> None:
         start.wait()
-        for j in range(requests):
-            res = one_request(url, model, prompts[(i + j) % len(prompts)], max_tokens)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt = queue.pop(0)
+            res = one_request(url, model, prompt, max_tokens)
             with lock:
                 results.append(res)
 
@@ -119,6 +135,7 @@ def load_level(url: str, model: str, prompts: list[Any], clients: int, requests:
         "tokens_per_trip": mean("tokens_per_trip"),
         "mean_accepted": mean("mean_accepted"),
         "queued_s_mean": mean("queued_s"),
+        "load_before": load_before, "load_after": os.getloadavg(),
     }
 
 
@@ -155,7 +172,7 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                                    "testnet_up_s": state.up_seconds, "levels": []}
             one_request(info["url"], info["model"], prompts[0], 4)  # warm-up: first survey, first session
             for clients in args.clients:
-                level = load_level(info["url"], info["model"], prompts, clients, args.requests, args.max_tokens)
+                level = load_level(info["url"], info["model"], prompts, clients, args.reps, args.max_tokens)
                 print(f"  {clients} clients: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:.1f} tok/s, "
                       f"ttft p50 {level['ttft_p50_s']} s p95 {level['ttft_p95_s']} s", file=sys.stderr, flush=True)
                 row["levels"].append(level)
@@ -171,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--latency-ms", type=float, default=40.0, help="one-way emulated latency of every link (default 40)")
     p.add_argument("--clients", default="1,4,8", help="concurrent client counts (default 1,4,8)")
-    p.add_argument("--requests", type=int, default=4, help="requests per client per level (default 4)")
+    p.add_argument("--reps", type=int, default=2, help="times every prompt is sent per level (default 2: 20 requests)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mode", default="dsd", choices=("ar", "sd", "dsd"))
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
@@ -179,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     kinds = model_kinds(p, args.models)
     args.clients = comma_list(p, "--clients", args.clients, int)
-    if args.peers < 1 or args.requests < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
-        p.error("--peers, --requests, --max-tokens and every --clients value must be >= 1")
+    if args.peers < 1 or args.reps < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
+        p.error("--peers, --reps, --max-tokens and every --clients value must be >= 1")
     results = {**run_metadata("serve_load", args), "runs": [run(kind, args) for kind in kinds]}
     write_json(args.out or RESULTS_DIR / f"serve_load-{today()}.json", results)
     print(json.dumps(results, indent=1))
