@@ -37,6 +37,7 @@ from harness import (
     MODEL_KINDS,
     RESULTS_DIR,
     comma_list,
+    command_line,
     git_commit,
     plan_once,
     run_generation,
@@ -337,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report_only:
         results = rebuild_report(opts.stem)
     else:
-        results = run_sweep(opts, "python bench/dsd_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        results = run_sweep(opts, command_line("dsd_sweep.py", argv if argv is not None else sys.argv[1:]))
     print(markdown_table(results))
     return 0
 

@@ -72,6 +72,11 @@ def run_metadata(name: str, args: argparse.Namespace | Any = None) -> dict[str, 
     }
 
 
+def command_line(script: str, argv: Sequence[str]) -> str:
+    """The command as results record it: absolute paths (this machine's) shown by their last part only."""
+    return " ".join([f"python bench/{script}", *(f"<{Path(a).name}>" if a.startswith("/") else a for a in argv)])
+
+
 def comma_list(p: argparse.ArgumentParser, option: str, text: str, kind: Callable[[str], T]) -> list[T]:
     """The items of a comma-separated option, each converted by `kind`; a bad item is a usage error."""
     try:

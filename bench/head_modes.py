@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from dsd_sweep import SweepOptions, run_sweep
-from harness import comma_list, model_kinds
+from harness import comma_list, command_line, model_kinds
 
 PROBLEMS = "0,2,7"
 
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = comma_list(p, "--problems", args.problems, int)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
-    command = "python bench/head_modes.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("head_modes.py", argv if argv is not None else sys.argv[1:])
     summary = {}
     for m in models:
         opts = SweepOptions(models=m, peers=[4], ratios=[5.0], problems=problems,

@@ -74,7 +74,7 @@ class DemoResult:
 
         from dsd.shard_store.files import atomic_write_bytes
 
-        data = {**self.as_dict(), "spec": {k: str(v) if isinstance(v, Path) else v for k, v in vars(spec).items()},
+        data = {**self.as_dict(), "spec": {k: v.name if isinstance(v, Path) else v for k, v in vars(spec).items()},
                 "load_after": os.getloadavg(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_bytes(path, json.dumps(data, indent=1).encode())
 
