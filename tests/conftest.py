@@ -1,5 +1,10 @@
-"""Shared fixtures: tiny random Llama / Qwen2 causal LMs saved with save_pretrained and converted to
-stores once per session, plus a tiny byte-level BPE tokenizer. No downloads; a few seconds total.
+"""Shared fixtures and helpers: tiny random Llama / Qwen2 causal LMs saved with save_pretrained and
+converted to stores once per session, plus a tiny byte-level BPE tokenizer (no downloads; a few seconds
+total); the CLI as a user runs it (`cli`, `cli_testnet`, `cli_serve`) and daemons started one by one
+(`DaemonSwarm`); raw frames and streams as a hostile client sends them (`raw_frame`, `raw_exchange`);
+the references (HF greedy, a noisy draft, greedy decoding of federated workers' average, the exact
+law of the first tokens for the sampling tests). Test modules import helpers from here, never from
+each other.
 
 Torch is limited to one thread: the test machine is small and shared.
 """
@@ -7,14 +12,21 @@ Torch is limited to one thread: the test machine is small and shared.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+
+from dsd.node.head.local import LocalBackend
+from dsd.node.head.sampling import SamplingParams, warp
+from dsd.node.route.backend import RouteBackend
 
 torch.set_num_threads(1)
 
@@ -207,11 +219,13 @@ def cli_testnet(state: Path, *args: str) -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def cli_serve(state: Path, bootstrap: str, store: Path, *args: str) -> Iterator[dict]:
-    """`dsd-node serve` on a free port for the block (ready file and log in STATE); yields its ready info + log."""
+def cli_serve(state: Path, bootstrap: str, store: Path | None, *args: str) -> Iterator[dict]:
+    """`dsd-node serve` on a free port for the block (ready file and log in STATE); yields its ready info + log.
+    `store` None: ARGS say where the target comes from (`--model ... --manifest-sha256 ...`)."""
     from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
 
-    proc = spawn("serve", ["serve", "--bootstrap", bootstrap, "--store", str(store), "--port", "0",
+    target = [] if store is None else ["--store", str(store)]
+    proc = spawn("serve", ["serve", "--bootstrap", bootstrap, *target, "--port", "0",
                            "--ready-file", str(state / "serve.json"), "--threads", "1", *args], state)
     try:
         info = wait_ready(state / "serve.json", proc, 120)
@@ -219,3 +233,338 @@ def cli_serve(state: Path, bootstrap: str, store: Path, *args: str) -> Iterator[
     finally:
         stop_processes([proc.pid])
         print(f"serve log: {proc.log}")
+
+
+class DaemonSwarm:
+    """`dsd-node start` daemons on loopback: a bootstrap node, then peers added one by one, each with its key,
+    ready file and log in `state`; `stop` (or leaving the `with` block) ends them all, the last started first."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.procs: list = []
+        self.bootstrap = self.start("bootstrap", "--bootstrap-only")["addrs"][0]
+
+    def __enter__(self) -> DaemonSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def spawn(self, name: str, *args: str):
+        """Start `dsd-node start ARGS` as NAME without waiting (`ready` waits): several daemons start at once."""
+        from dsd.node.testnet.processes import spawn
+
+        proc = spawn(name, ["start", *args, "--identity", str(self.state / f"{name}.key"),
+                            "--ready-file", str(self.state / f"{name}.json")], self.state)
+        self.procs.append(proc)
+        return proc
+
+    def ready(self, proc) -> dict:
+        """A spawned daemon's ready info (peer_id, addrs, its span...) with its pid and log, once it serves."""
+        from dsd.node.testnet.processes import wait_ready
+
+        info = wait_ready(self.state / f"{proc.name}.json", proc, 120)
+        return {**info, "pid": proc.pid, "log": proc.log}
+
+    def start(self, name: str, *args: str) -> dict:
+        return self.ready(self.spawn(name, *args))
+
+    def peer(self, name: str, store: Path, blocks: str, *args: str) -> dict:
+        """A block peer serving `blocks` of `store` (one torch thread), joined through the bootstrap node; its
+        ready info, pid, log and the bootstrap address."""
+        info = self.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", self.bootstrap,
+                          "--threads", "1", *args)
+        return {**info, "bootstrap": self.bootstrap}
+
+    def wait_route(self, model: str, num_layers: int, blocks: tuple[int, int] | None = None) -> None:
+        """Until the peers announce a complete route over `blocks` (default every layer)."""
+        import trio
+
+        from dsd.discovery.survey import wait_for_route
+        from dsd.node.peer.host import head_node
+
+        async def main() -> None:
+            async with head_node([self.bootstrap]) as (node, _legs):
+                await wait_for_route(node, model, num_layers, 60, poll_s=0.3, blocks=blocks)
+
+        trio.run(main)
+
+    def stop(self) -> None:
+        from dsd.node.testnet.processes import stop_processes
+
+        stop_processes([p.pid for p in reversed(self.procs)])
+
+
+# --- raw frames and streams, as a hostile client sends them ---------------------------------------
+
+
+def raw_frame(body: dict) -> bytes:
+    """A frame of any wire map (msgpack with its 4-byte length): what the message classes refuse to build."""
+    import msgpack
+
+    raw = msgpack.packb(body, use_bin_type=True)
+    return len(raw).to_bytes(4, "big") + raw
+
+
+def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
+    """`data` cut at the offsets `cuts` (taken modulo its length + 1): the chunks a stream may deliver."""
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    edges = [0, *points, len(data)]
+    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+
+
+async def read_frames(stream, decoder, replies: int | None = None) -> list:
+    """Frames read from a raw stream until the peer closes (or resets) it, or `replies` have come."""
+    got: list = []
+    while replies is None or len(got) < replies:
+        try:
+            chunk = await stream.read(65536)
+        except Exception:  # reset by the peer
+            break
+        if not chunk:
+            break
+        got.extend(decoder.feed(chunk))
+    return got
+
+
+async def raw_exchange(node, peer: dict, protocol: str, data: bytes, *, replies: int | None = None,
+                       timeout: float = 20.0, close_write: bool = False) -> list:
+    """Write raw bytes on a fresh `protocol` stream to `peer` ({peer_id, addrs}), closing our side after them
+    if `close_write`; the frames answered until the peer closed the stream (or `replies` came). Taking
+    longer than `timeout` fails the test (trio.TooSlowError). The stream is reset at the end."""
+    import trio
+
+    from dsd.protocol import FrameDecoder
+
+    stream = await node.open_raw(peer["peer_id"], peer["addrs"], protocol)
+    try:
+        with trio.fail_after(timeout):
+            await stream.write(data)
+            if close_write:
+                with contextlib.suppress(Exception):
+                    await stream.close_write()
+            return await read_frames(stream, FrameDecoder(), replies)
+    finally:
+        with trio.move_on_after(5), contextlib.suppress(Exception):
+            await stream.reset()
+
+
+# --- a tiny Qwen2 target as transformers runs it, and a draft that often disagrees with it -----------
+
+
+def noisy_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:
+    """The target with Gaussian noise (`noise` × each tensor's std) on its decoder layers: a draft that
+    agrees with the target often but not always, and whose misses are often its 2nd or 3rd choice."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if ".layers." in name:
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return out.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_hf(tiny_qwen2_root: Path) -> torch.nn.Module:
+    """The tiny Qwen2 loaded by transformers in float32, eval mode: the reference (read-only: tests share it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def noisy_draft(tiny_qwen2_hf: torch.nn.Module) -> torch.nn.Module:
+    """The tiny Qwen2 with 10 % noise on its decoder layers: it agrees with the target about 60 % of the
+    time, and where not, the target's token is often its 2nd or 3rd choice (read-only)."""
+    return noisy_copy(tiny_qwen2_hf, 0.1)
+
+
+@pytest.fixture(scope="session")
+def noisy_draft_store(noisy_draft: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`noisy_draft` as a store (model id tiny-qwen2-noisy), for `--draft`."""
+    from dsd.shard_store.writer import write_store
+
+    folder = tmp_path_factory.mktemp("noisy") / "store"
+    write_store(noisy_draft, folder, model_id="tiny-qwen2-noisy")
+    return folder
+
+
+class KillOnTree(RouteBackend):
+    """A route backend that kills the route's last hop (SIGKILL, by `pids[peer_id]`) just before the first
+    tree window goes out, and notes whether the tree was replayed on the new route."""
+
+    def __init__(self, *args, pids: dict[str, int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pids = pids
+        self.killed: str | None = None
+        self.replayed_tree = False
+
+    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
+                     parents: Sequence[int] | None = None, keep: Sequence[int] | None = None) -> None:
+        if parents is not None and self.killed is None:
+            self.killed = self.session.hops[-1].peer_id
+            os.kill(self.pids[self.killed], signal.SIGKILL)
+        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+
+    async def _replay(self, epoch: int) -> None:
+        self.replayed_tree = self.replayed_tree or self._parents is not None
+        await super()._replay(epoch)
+
+
+# --- federated workers: two tiny Qwen2 models sharing a vocabulary, as a real testnet ----------------
+
+
+@pytest.fixture(scope="module")
+def worker_b_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second worker model: another seed and depth (3 layers), same vocabulary and tokenizer, model id
+    tiny-qwen2-b: `hf/` and `store/`."""
+    from dsd.shard_store import convert
+
+    root = tmp_path_factory.mktemp("worker_b")
+    convert(save_tiny_model("qwen2", root / "hf", seed=1, layers=3), root / "store", model_id="tiny-qwen2-b")
+    return root
+
+
+@pytest.fixture(scope="module")
+def federated_net(tiny_qwen2_root: Path, worker_b_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`testnet up --federated` with worker "a" (tiny-qwen2, 5 layers) and "b" (tiny-qwen2-b), fp32 top-K;
+    a worker a test stopped (SIGSTOP) is resumed before `testnet down`."""
+    state = tmp_path_factory.mktemp("fednet")
+    up = cli("testnet", "up", "--federated", "--store", str(tiny_qwen2_root / "store"), "--store2",
+             str(worker_b_root / "store"), "--state", str(state), "--topk-codec", "fp32", "--record-ttl", "10", "--json")
+    assert up.returncode == 0, up.stderr[-3000:]
+    info = json.loads(up.stdout)
+    workers = [p for p in info["peers"] if p["role"] == "federated"]
+    info["a"], info["b"] = workers[0], workers[1]
+    yield info
+    for w in workers:  # a test may have stopped one
+        try:
+            os.kill(w["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    down = cli("testnet", "down", "--state", str(state), timeout=60)
+    assert down.returncode == 0, down.stderr
+
+
+@pytest.fixture(scope="module")
+def federated_models(tiny_qwen2_root: Path, worker_b_root: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Both workers' models as transformers runs them (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    def load(root: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(str(root / "hf"), dtype=torch.float32).eval()
+
+    return load(tiny_qwen2_root), load(worker_b_root)
+
+
+def average_greedy(models, prompt: list[int], n: int, weights: tuple[float, float],
+                   switch_at: int | None = None) -> list[int]:
+    """Greedy decoding of the weighted average of both models' softmax; from token `switch_at` on, model A alone."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for i in range(n):
+            ps = [torch.softmax(m(input_ids=torch.tensor([seq])).logits[0, -1].double(), -1) for m in models]
+            p = ps[0] if switch_at is not None and i >= switch_at else weights[0] * ps[0] + weights[1] * ps[1]
+            seq.append(int(torch.argmax(p)))
+    return seq[len(prompt):]
+
+
+def run_federated(net: dict, prompt: list[int], cfg, **kw) -> dict:
+    """One federated generation from a fresh head over both workers of `net` (`federated_net`) with a random
+    2-layer draft; `kw` goes to `generate_federated` (`server_vocab` and `workers` override the vocabulary
+    and the workers found). A FederatedError comes out as itself."""
+    import trio
+
+    from dsd.node.federated.generate import generate_federated
+    from dsd.node.federated.pool import FederatedError, find_workers
+    from dsd.node.head.drafters import ModelDrafter
+    from dsd.node.head.sampling import SamplingParams
+    from dsd.node.peer.host import head_node
+
+    failed: list[FederatedError] = []
+
+    async def main():
+        async with head_node([net["bootstrap"]]) as (node, _):
+            vocab = kw.pop("server_vocab", TINY_VOCAB)
+            workers = kw.pop("workers", None)
+            with trio.move_on_after(20):  # a worker stopped by an earlier test re-announces within TTL/3
+                while workers is None:
+                    found = {w.peer_id: w for w in await find_workers(node, TINY_VOCAB)}
+                    if net["a"]["peer_id"] in found and net["b"]["peer_id"] in found:
+                        workers = [found[net["a"]["peer_id"]], found[net["b"]["peer_id"]]]
+                    else:
+                        await trio.sleep(0.5)
+            assert workers is not None, "both workers must be announced"
+            drafter = ModelDrafter(make_tiny_model("qwen2", seed=21, layers=2), SamplingParams())
+            try:
+                return await generate_federated(node, workers, drafter, prompt, cfg, vocab_size=vocab, **kw)
+            except FederatedError as exc:  # raised outside the node's nursery, not as an exception group
+                failed.append(exc)
+
+    report = trio.run(main)
+    if failed:
+        raise failed[0]
+    return report
+
+
+class ProbsBackend(LocalBackend):
+    """The whole model in-process, answering with warped probabilities as a federated worker would."""
+
+    returns_probs = True
+
+    def __init__(self, head, spans, temperature: float) -> None:
+        super().__init__(head, spans)
+        self.temperature = temperature
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        logits = await super().collect(epoch=epoch, rows=rows)
+        return warp(logits, SamplingParams(temperature=self.temperature or 1.0))
+
+
+# --- lossless sampling through the engine: a tiny 1-layer target and another draft, vocabulary 12 ------
+
+SAMPLING_VOCAB = 12
+SAMPLING_PROMPT = [1, 5, 7]
+SAMPLING_RUNS = 4000
+SAMPLING_BROKEN_RUNS = 2000  # plenty: each broken rule scores p < 1e-20 with these
+SAMPLING_ALPHA = 1e-3  # a correct rule fails with this probability (the seeds are fixed: it passes or fails for good)
+SAMPLING_TREE_NODES = 4  # the tree case: the second window is the draft's 4 likeliest tokens, siblings of the root
+T1 = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def sampling_models(tmp_path_factory: pytest.TempPathFactory):
+    """(target head, target span, draft model, exact joint distribution of the first two tokens after
+    SAMPLING_PROMPT [V, V]) for a 1-layer target and a different 1-layer draft of SAMPLING_VOCAB tokens."""
+    from dsd.shard_store import Store
+    from dsd.shard_store.writer import write_store
+
+    tiny = dict(layers=1, hidden_size=16, intermediate_size=32, vocab_size=SAMPLING_VOCAB)
+    target = make_tiny_model("llama", seed=11, **tiny)
+    draft = make_tiny_model("llama", seed=22, **tiny)
+    folder = tmp_path_factory.mktemp("target") / "store"
+    write_store(target, folder, model_id="tiny-target")
+    store = Store(folder)
+    prompt, vocab = SAMPLING_PROMPT, SAMPLING_VOCAB
+    with torch.inference_mode():
+        first = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), dim=-1)
+        second = torch.softmax(target(torch.tensor([[*prompt, t] for t in range(vocab)])).logits[:, -1].double(), dim=-1)
+        q = torch.softmax(draft(torch.tensor([[*prompt, t] for t in range(vocab)])).logits[:, -1].double(), dim=-1)
+    # The draft really differs from the target where it is verified (else a broken rule could pass).
+    assert float((0.5 * (second - q).abs().sum(-1)).min()) > 0.2
+    return store.load_head(), store.load_span(0, 1), draft, first[:, None] * second
+
+
+def pair_counts(pairs: list[tuple[int, int]], vocab: int = SAMPLING_VOCAB) -> torch.Tensor:
+    """Counts [V, V] of (first, second) token pairs."""
+    counts = torch.zeros(vocab, vocab)
+    for a, b in pairs:
+        counts[a, b] += 1
+    return counts
+
+
+def sampling_p_values(models, pairs: list[tuple[int, int]]) -> tuple[float, float]:
+    """p-values of the first tokens and of the first two of `pairs` against the target's exact distributions."""
+    joint = models[3]
+    counts = pair_counts(pairs, joint.shape[0])
+    return chi2_pvalue(counts.sum(1), joint.sum(1)), chi2_pvalue(counts, joint)

@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 import torch
 import trio
-from test_head_engine_local import noisy_copy
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, cli_testnet
+from conftest import cli, cli_testnet, noisy_copy
 from dsd.node.head.drafters import ModelDrafter, check_quant_device
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.local import LocalBackend
@@ -212,10 +211,14 @@ def test_memory_accounting_counts_weights_kv_and_activations(tiny_qwen2_store: P
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_fails_at_once_with_one_line(tiny_qwen2_store: Path, tmp_path: Path) -> None:
     key = tmp_path / "k.key"
+    nowhere = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # never dialled
+    fetch = ["--model", "tiny-qwen2", "--manifest-sha256", "ab" * 32, "--fetch-dir", str(tmp_path / "fetched")]
     commands = {
         "start": ["start", "--store", str(tiny_qwen2_store), "--identity", str(key)],
-        "generate": ["generate", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
-                     "--store", str(tiny_qwen2_store), "--prompt-ids", "1,2,3"],
+        "generate": ["generate", "--bootstrap", nowhere, "--store", str(tiny_qwen2_store), "--prompt-ids", "1,2,3"],
+        "generate --model": ["generate", "--bootstrap", nowhere, *fetch, "--prompt-ids", "1,2,3"],
+        "serve": ["serve", "--bootstrap", nowhere, "--store", str(tiny_qwen2_store), "--port", "0"],
+        "serve --model": ["serve", "--bootstrap", nowhere, *fetch, "--port", "0"],
     }
     for what, args in commands.items():
         out = cli(*args, "--device", "cuda", timeout=60)
@@ -224,6 +227,7 @@ def test_device_cuda_fails_at_once_with_one_line(tiny_qwen2_store: Path, tmp_pat
         assert "Traceback" not in out.stderr and len(lines) == 1, (what, out.stderr)
         assert "CUDA" in lines[0] and "--device cpu" in lines[0], (what, lines)
     assert not key.exists()  # start stopped before it even made an identity
+    assert not (tmp_path / "fetched").exists()  # and the heads before fetching anything
 
 
 def test_device_check_skips_cleanly_without_a_gpu() -> None:

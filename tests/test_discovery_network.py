@@ -11,6 +11,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+from conftest import raw_frame
 from dsd.discovery.announce import Announcer, fetch_records
 from dsd.discovery.framing import FramedStream, LinkError
 from dsd.discovery.host import P2PNode
@@ -182,10 +183,6 @@ def test_record_store_refuses_hostile_frames_and_keeps_serving() -> None:
         await raw.write(data)
         return await FramedStream(raw, RECORDS_LIMITS).receive()
 
-    def framed(wire: dict) -> bytes:
-        body = msgpack.packb(wire, use_bin_type=True)
-        return len(body).to_bytes(4, "big") + body
-
     async def main() -> None:
         with trio.fail_after(20):
             async with P2PNode(create_new_key_pair()) as a, P2PNode(create_new_key_pair()) as b:
@@ -194,9 +191,9 @@ def test_record_store_refuses_hostile_frames_and_keeps_serving() -> None:
                 assert isinstance(too_big, Error) and too_big.code == "limit"
                 not_msgpack = await send_raw(a, b, b"\x00\x00\x00\x02\xc1\xc1")
                 assert isinstance(not_msgpack, Error) and not_msgpack.code == "bad_frame"
-                short_key = await send_raw(a, b, framed({"v": "1.0", "type": "records_get", "key": b"short"}))
+                short_key = await send_raw(a, b, raw_frame({"v": "1.0", "type": "records_get", "key": b"short"}))
                 assert isinstance(short_key, Error) and "RecordsGet.key" in short_key.message
-                untyped = await send_raw(a, b, framed({"op": "get", "key": record_key(MODEL)}))
+                untyped = await send_raw(a, b, raw_frame({"op": "get", "key": record_key(MODEL)}))
                 assert isinstance(untyped, Error)
                 wrong_type = await send_raw(a, b, encode(Ping(1)))
                 assert isinstance(wrong_type, Error) and wrong_type.code == "bad_request"

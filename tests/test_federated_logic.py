@@ -11,13 +11,12 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_model
+from conftest import ProbsBackend, make_tiny_model
 from dsd.node.federated.backend import FederatedBackend
 from dsd.node.federated.pool import FederatedError, WorkerInfo
 from dsd.node.federated.worker import window_topk
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
-from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, warp
 from dsd.protocol import DraftWindow, FrameDecoder, ProtocolError, aggregate, encode, reconstruct
 from dsd.shard_store import Store
@@ -139,20 +138,6 @@ def test_backend_refuses_bad_configurations() -> None:
         FederatedBackend(None, [], **kw)  # type: ignore[arg-type]
     with pytest.raises(FederatedError, match="listed twice"):
         FederatedBackend(None, [_info("a"), _info("a")], **kw)  # type: ignore[arg-type]
-
-
-class ProbsBackend(LocalBackend):
-    """The whole model in-process, answering with warped probabilities as a federated worker would."""
-
-    returns_probs = True
-
-    def __init__(self, head, spans, temperature: float) -> None:
-        super().__init__(head, spans)
-        self.temperature = temperature
-
-    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        logits = await super().collect(epoch=epoch, rows=rows)
-        return warp(logits, SamplingParams(temperature=self.temperature or 1.0))
 
 
 def test_engine_verifies_greedy_against_probabilities(whole, tiny_qwen2_dir) -> None:

@@ -11,126 +11,45 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 import trio
-from transformers import AutoModelForCausalLM
 
-from conftest import cli, make_tiny_model, save_tiny_model
-from dsd.node.federated.generate import generate_federated
-from dsd.node.federated.pool import FederatedError, WorkerInfo, find_workers, list_workers
-from dsd.node.head.drafters import ModelDrafter
+from conftest import TINY_VOCAB, average_greedy, cli, run_federated
+from dsd.node.federated.pool import FederatedError, WorkerInfo, list_workers
 from dsd.node.head.engine import GenerationConfig
-from dsd.node.head.sampling import SamplingParams
 from dsd.node.peer.host import head_node
 
 pytestmark = pytest.mark.network
 
-V = 300
+V = TINY_VOCAB
 PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 8, 9]]
 
 
 
 
-@pytest.fixture(scope="module")
-def worker_b_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A second worker model: another seed and depth, same vocabulary and tokenizer, its own model id."""
-    from dsd.shard_store import convert
-
-    root = tmp_path_factory.mktemp("worker_b")
-    convert(save_tiny_model("qwen2", root / "hf", seed=1, layers=3), root / "store", model_id="tiny-qwen2-b")
-    return root
-
-
-@pytest.fixture(scope="module")
-def net(tiny_qwen2_root: Path, worker_b_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    state = tmp_path_factory.mktemp("fednet")
-    up = cli("testnet", "up", "--federated", "--store", str(tiny_qwen2_root / "store"), "--store2",
-             str(worker_b_root / "store"), "--state", str(state), "--topk-codec", "fp32", "--record-ttl", "10", "--json")
-    assert up.returncode == 0, up.stderr[-3000:]
-    info = json.loads(up.stdout)
-    workers = [p for p in info["peers"] if p["role"] == "federated"]
-    info["a"], info["b"] = workers[0], workers[1]
-    yield info
-    for w in workers:  # a test may have stopped one
-        try:
-            os.kill(w["pid"], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    down = cli("testnet", "down", "--state", str(state), timeout=60)
-    assert down.returncode == 0, down.stderr
-
-
-@pytest.fixture(scope="module")
-def models(tiny_qwen2_root: Path, worker_b_root: Path):
-    load = lambda d: AutoModelForCausalLM.from_pretrained(str(d / "hf"), dtype=torch.float32).eval()  # noqa: E731
-    return load(tiny_qwen2_root), load(worker_b_root)
-
-
-def reference(models, prompt: list[int], n: int, weights: tuple[float, float], switch_at: int | None = None) -> list[int]:
-    """Greedy decoding of the weighted average of both models' softmax; from token `switch_at` on, model A alone."""
-    seq = list(prompt)
-    with torch.no_grad():
-        for i in range(n):
-            ps = [torch.softmax(m(input_ids=torch.tensor([seq])).logits[0, -1].double(), -1) for m in models]
-            p = ps[0] if switch_at is not None and i >= switch_at else weights[0] * ps[0] + weights[1] * ps[1]
-            seq.append(int(torch.argmax(p)))
-    return seq[len(prompt):]
-
-
-def drafter() -> ModelDrafter:
-    return ModelDrafter(make_tiny_model("qwen2", seed=21, layers=2), SamplingParams())
-
-
-def test_testnet_starts_workers_and_workers_lists_them(net: dict) -> None:
-    assert [(w["start"], w["end"]) for w in (net["a"], net["b"])] == [(0, 5), (0, 3)]
-    out = cli("workers", "--bootstrap", net["bootstrap"], "--vocab", str(V), "--json", timeout=120)
+def test_testnet_starts_workers_and_workers_lists_them(federated_net: dict) -> None:
+    assert [(w["start"], w["end"]) for w in (federated_net["a"], federated_net["b"])] == [(0, 5), (0, 3)]
+    out = cli("workers", "--bootstrap", federated_net["bootstrap"], "--vocab", str(V), "--json", timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     listed = {w["peer_id"]: w for w in json.loads(out.stdout)["workers"]}
-    assert set(listed) == {net["a"]["peer_id"], net["b"]["peer_id"]}
-    assert listed[net["a"]["peer_id"]]["model"] == "tiny-qwen2"
-    assert listed[net["b"]["peer_id"]]["model"] == "tiny-qwen2-b"
+    assert set(listed) == {federated_net["a"]["peer_id"], federated_net["b"]["peer_id"]}
+    assert listed[federated_net["a"]["peer_id"]]["model"] == "tiny-qwen2"
+    assert listed[federated_net["b"]["peer_id"]]["model"] == "tiny-qwen2-b"
     assert all(w["vocab_size"] == V and w["topk_cap"] == V and w["rtt_ms"] > 0 for w in listed.values())
 
     async def by_model() -> list[dict]:
-        async with head_node([net["bootstrap"]]) as (node, _):
+        async with head_node([federated_net["bootstrap"]]) as (node, _):
             return await list_workers(node, model="tiny-qwen2-b", vocab=None)
 
     only_b = trio.run(by_model)
-    assert [(w["peer_id"], w["num_layers"]) for w in only_b] == [(net["b"]["peer_id"], 3)]
-
-
-def run(net: dict, prompt: list[int], cfg: GenerationConfig, **kw):
-    failed: list[FederatedError] = []
-
-    async def main():
-        async with head_node([net["bootstrap"]]) as (node, _):
-            vocab = kw.pop("server_vocab", V)
-            workers = kw.pop("workers", None)
-            with trio.move_on_after(20):  # a worker stopped by an earlier test re-announces within TTL/3
-                while workers is None:
-                    found = {w.peer_id: w for w in await find_workers(node, V)}
-                    if net["a"]["peer_id"] in found and net["b"]["peer_id"] in found:
-                        workers = [found[net["a"]["peer_id"]], found[net["b"]["peer_id"]]]
-                    else:
-                        await trio.sleep(0.5)
-            assert workers is not None, "both workers must be announced"
-            try:
-                return await generate_federated(node, workers, drafter(), prompt, cfg, vocab_size=vocab, **kw)
-            except FederatedError as exc:  # raised outside the node's nursery, not as an exception group
-                failed.append(exc)
-
-    report = trio.run(main)
-    if failed:
-        raise failed[0]
-    return report
+    assert [(w["peer_id"], w["num_layers"]) for w in only_b] == [(federated_net["b"]["peer_id"], 3)]
 
 
 @pytest.mark.parametrize("mode", ["sd", "dsd"])
-def test_k_equal_v_greedy_is_greedy_decoding_of_the_weighted_average(net: dict, models, mode: str) -> None:
+def test_k_equal_v_greedy_is_greedy_decoding_of_the_weighted_average(federated_net: dict, federated_models, mode: str) -> None:
     n, weights = 16, (0.7, 0.3)
     for prompt in PROMPTS:
-        report = run(net, prompt, GenerationConfig(mode=mode, max_new_tokens=n, gamma=3), top_k=V, weights=weights)
-        assert report["tokens"] == reference(models, prompt, n, weights), (mode, prompt)
+        report = run_federated(federated_net, prompt, GenerationConfig(mode=mode, max_new_tokens=n, gamma=3), top_k=V, weights=weights)
+        assert report["tokens"] == average_greedy(federated_models, prompt, n, weights), (mode, prompt)
         assert report["missed"] == 0 and report["dropped"] == 0
         for w in report["workers"]:
             assert w["state"] == "active" and w["k"] == V and abs(w["mean_eps"]) < 1e-5
@@ -138,10 +57,10 @@ def test_k_equal_v_greedy_is_greedy_decoding_of_the_weighted_average(net: dict, 
         assert {w["model"] for w in report["workers"]} == {"tiny-qwen2", "tiny-qwen2-b"}
 
 
-def test_cli_generate_federated_reports_bytes_eps_and_k(net: dict, tiny_qwen2_draft_store: Path) -> None:
-    out = cli("generate", "--federated", "--bootstrap", net["bootstrap"], "--store", str(tiny_qwen2_draft_store),
+def test_cli_generate_federated_reports_bytes_eps_and_k(federated_net: dict, tiny_qwen2_draft_store: Path) -> None:
+    out = cli("generate", "--federated", "--bootstrap", federated_net["bootstrap"], "--store", str(tiny_qwen2_draft_store),
               "--prompt-ids", "1,17,42,99,5", "--max-new-tokens", "10", "--topk", "8", "--reconstruct", "renormalize",
-              "--weights", "2,1", "--workers", f"{net['a']['peer_id']},{net['b']['peer_id']}", "--json", timeout=180)
+              "--weights", "2,1", "--workers", f"{federated_net['a']['peer_id']},{federated_net['b']['peer_id']}", "--json", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["new_tokens"] == 10 and report["federated"] and report["reconstruct"] == "renormalize"
@@ -153,16 +72,16 @@ def test_cli_generate_federated_reports_bytes_eps_and_k(net: dict, tiny_qwen2_dr
     assert report["uplink_bytes_per_token"] > 0
 
 
-def test_mismatched_vocabularies_are_refused(net: dict) -> None:
+def test_mismatched_vocabularies_are_refused(federated_net: dict) -> None:
     with pytest.raises(FederatedError, match="has a vocabulary of 300 tokens, the server's has 301"):
-        run(net, PROMPTS[0], GenerationConfig(mode="sd", max_new_tokens=4), server_vocab=301)
+        run_federated(federated_net, PROMPTS[0], GenerationConfig(mode="sd", max_new_tokens=4), server_vocab=301)
     # A worker whose record was wrong is still caught by its Hello when the session opens.
-    forged = [WorkerInfo(net["a"]["peer_id"], (net["a"]["multiaddr"],), 5, 301, 301)]
+    forged = [WorkerInfo(federated_net["a"]["peer_id"], (federated_net["a"]["multiaddr"],), 5, 301, 301)]
     with pytest.raises(FederatedError, match="vocabulary mismatch: model 'tiny-qwen2' has 300 tokens, the server's has 301"):
-        run(net, PROMPTS[0], GenerationConfig(mode="sd", max_new_tokens=4), server_vocab=301, workers=forged)
+        run_federated(federated_net, PROMPTS[0], GenerationConfig(mode="sd", max_new_tokens=4), server_vocab=301, workers=forged)
 
 
-def _fault_run(net: dict, models, sig: signal.Signals, timeout_s: float):
+def _fault_run(federated_net: dict, federated_models, sig: signal.Signals, timeout_s: float):
     prompt, n, weights = PROMPTS[0], 14, (0.5, 0.5)
     emitted: list[int] = []
     switched: list[int] = []
@@ -170,30 +89,30 @@ def _fault_run(net: dict, models, sig: signal.Signals, timeout_s: float):
     def on_tokens(toks: list[int]) -> None:  # runs between windows: every later window is sent after the fault
         emitted.extend(toks)
         if not switched and len(emitted) >= 4:
-            os.kill(net["b"]["pid"], sig)
+            os.kill(federated_net["b"]["pid"], sig)
             switched.append(len(emitted))
 
-    report = run(net, prompt, GenerationConfig(mode="dsd", max_new_tokens=n, gamma=3), top_k=V, weights=weights,
+    report = run_federated(federated_net, prompt, GenerationConfig(mode="dsd", max_new_tokens=n, gamma=3), top_k=V, weights=weights,
                  window_timeout_s=timeout_s, on_tokens=on_tokens)
     assert len(report["tokens"]) == n
     # Tokens up to the fault follow the average, every later window worker A alone.
-    assert report["tokens"] == reference(models, prompt, n, weights, switch_at=switched[0])
+    assert report["tokens"] == average_greedy(federated_models, prompt, n, weights, switch_at=switched[0])
     return report
 
 
-def test_stopped_worker_misses_deadlines_and_is_dropped(net: dict, models) -> None:
+def test_stopped_worker_misses_deadlines_and_is_dropped(federated_net: dict, federated_models) -> None:
     try:
-        report = _fault_run(net, models, signal.SIGSTOP, timeout_s=1.5)
+        report = _fault_run(federated_net, federated_models, signal.SIGSTOP, timeout_s=1.5)
     finally:
-        os.kill(net["b"]["pid"], signal.SIGCONT)
+        os.kill(federated_net["b"]["pid"], signal.SIGCONT)
     a, b = report["workers"]
     assert a["state"] == "active" and a["windows_missed"] == 0
     assert b["windows_missed"] == 3 and b["state"] == "dropped" and "3 window deadlines" in b["reason"]
     assert report["missed"] == 3 and report["dropped"] == 1
 
 
-def test_killed_worker_generation_completes_on_the_other(net: dict, models) -> None:
-    report = _fault_run(net, models, signal.SIGKILL, timeout_s=60.0)
+def test_killed_worker_generation_completes_on_the_other(federated_net: dict, federated_models) -> None:
+    report = _fault_run(federated_net, federated_models, signal.SIGKILL, timeout_s=60.0)
     a, b = report["workers"]
     assert a["state"] == "active" and b["state"] == "failed" and report["dropped"] == 1
     assert report["elapsed_s"] < 30  # a dead stream is noticed at once, not at the 60 s deadline

@@ -4,14 +4,12 @@ chain windows and with token-tree windows (the local spans run trees and keep ac
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_model
+from conftest import hf_greedy, make_tiny_model, noisy_copy
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.local import LocalBackend
@@ -23,24 +21,7 @@ PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12], [
 
 
 def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(prompt):].tolist()
-
-
-def noisy_copy(model: torch.nn.Module, noise: float, seed: int = 0) -> torch.nn.Module:
-    """The target with Gaussian noise (`noise` × each tensor's std) on its decoder layers: a draft that
-    agrees with the target often but not always, and whose misses are often its 2nd or 3rd choice."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in out.named_parameters():
-            if ".layers." in name:
-                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
-    return out.eval()
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval(), prompt, n)
 
 
 def _drafter(kind: str, store: Store):

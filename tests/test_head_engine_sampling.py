@@ -10,14 +10,23 @@ first token. Seeds are fixed, so the outcome is deterministic."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import pytest
 import torch
 import trio
 
-from conftest import make_tiny_model
+from conftest import (
+    SAMPLING_ALPHA,
+    SAMPLING_BROKEN_RUNS,
+    SAMPLING_PROMPT,
+    SAMPLING_RUNS,
+    SAMPLING_TREE_NODES,
+    T1,
+    chi2_pvalue,
+    pair_counts,
+    sampling_p_values,
+)
 from dsd.node.head import engine as engine_module
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -25,33 +34,7 @@ from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, sample, warp
 from dsd.node.head.tree_verify import TreeVerdict
 from dsd.node.head.verify import Verdict, verify_window
-from dsd.shard_store import HeadModule, SpanModule, Store
-from dsd.shard_store.writer import write_store
-
-VOCAB = 12
-TINY = dict(layers=1, hidden_size=16, intermediate_size=32, vocab_size=VOCAB)
-PROMPT = [1, 5, 7]
-RUNS = 4000
-BROKEN_RUNS = 2000  # plenty: each broken rule below scores p < 1e-20 here
-T1 = SamplingParams(temperature=1.0)
-ALPHA = 1e-3  # a correct rule fails with this probability (the seeds are fixed: it passes or fails for good)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[HeadModule, SpanModule, torch.nn.Module, torch.Tensor]:
-    """(target head, target span, draft model, exact joint distribution of the first two tokens [V, V])."""
-    target = make_tiny_model("llama", seed=11, **TINY)
-    draft = make_tiny_model("llama", seed=22, **TINY)
-    folder = tmp_path_factory.mktemp("target") / "store"
-    write_store(target, folder, model_id="tiny-target")
-    store = Store(folder)
-    with torch.inference_mode():
-        first = torch.softmax(target(torch.tensor([PROMPT])).logits[0, -1].double(), dim=-1)
-        second = torch.softmax(target(torch.tensor([[*PROMPT, t] for t in range(VOCAB)])).logits[:, -1].double(), dim=-1)
-        q = torch.softmax(draft(torch.tensor([[*PROMPT, t] for t in range(VOCAB)])).logits[:, -1].double(), dim=-1)
-    # The draft really differs from the target where it is verified (else a broken rule could pass).
-    assert float((0.5 * (second - q).abs().sum(-1)).min()) > 0.2
-    return store.load_head(), store.load_span(0, 1), draft, first[:, None] * second
+from dsd.shard_store import HeadModule, SpanModule
 
 
 class BoundedDrafter(ModelDrafter):
@@ -93,13 +76,10 @@ class HeldBackend(LocalBackend):
         return await super().collect(epoch=epoch, rows=rows)
 
 
-TREE_NODES = 4  # the tree case: the second window is the draft's 4 likeliest tokens, siblings of the root
-
-
-def generate_many(models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def generate_many(sampling_models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The first two tokens of `runs` generations (seed i for the engine, 10**6 + i for the drafter), and
     those of the runs whose second window was a pre-drafted branch (with `tree_nodes`: a tree window)."""
-    head, span, draft, _ = models
+    head, span, draft, _ = sampling_models
 
     async def main() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         pairs: list[tuple[int, int]] = []
@@ -112,7 +92,7 @@ def generate_many(models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[li
             # Three tokens: the prompt's result gives the first; the second window carries one draft
             # (none would be drafted for a last token), so the second token is a verified one.
             cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=tree_nodes)
-            result = await HeadEngine(backend, drafter, cfg).generate(PROMPT)
+            result = await HeadEngine(backend, drafter, cfg).generate(SAMPLING_PROMPT)
             pairs.append((result.tokens[0], result.tokens[1]))
             if result.ready_rounds or result.tree_windows:
                 reused.append(pairs[-1])
@@ -121,63 +101,33 @@ def generate_many(models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[li
     return trio.run(main)
 
 
-def chi_square_p(observed: Counter, expected: dict) -> float:
-    """p-value of Pearson's chi-square test of counts against expected counts (cells expecting fewer
-    than 5 pooled into one); the regularised upper incomplete gamma gives it exactly."""
-    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
-    for key, e in expected.items():
-        if e < 5:
-            pooled_obs += observed.get(key, 0)
-            pooled_exp += e
-            continue
-        stat += (observed.get(key, 0) - e) ** 2 / e
-        cells += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        cells += 1
-    assert abs(sum(observed.values()) - sum(expected.values())) < 1e-6 and not set(observed) - set(expected)
-    df = cells - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def p_values(models, pairs: list[tuple[int, int]]) -> tuple[float, float]:
-    """p-values of the first token and of the first two against the target's exact distributions."""
-    joint = models[3]
-    first = joint.sum(1)
-    n = len(pairs)
-    p_first = chi_square_p(Counter(a for a, _ in pairs), {a: n * float(first[a]) for a in range(VOCAB)})
-    p_joint = chi_square_p(Counter(pairs), {(a, b): n * float(joint[a, b]) for a in range(VOCAB) for b in range(VOCAB)})
-    return p_first, p_joint
-
-
-def p_second_given_first(models, pairs: list[tuple[int, int]]) -> float:
+def p_second_given_first(sampling_models, pairs: list[tuple[int, int]]) -> float:
     """p-value of the second tokens against the target's, given the first tokens seen (a conservative
     test: the expected counts are sums of the rows' multinomials)."""
-    joint = models[3]
+    joint = sampling_models[3]
     second = joint / joint.sum(1, keepdim=True)
-    firsts = Counter(a for a, _ in pairs)
-    expected = {b: sum(n * float(second[a, b]) for a, n in firsts.items()) for b in range(VOCAB)}
-    return chi_square_p(Counter(b for _, b in pairs), expected)
+    counts = pair_counts(pairs)
+    return chi2_pvalue(counts.sum(0), (counts.sum(1).double()[:, None] * second).sum(0))
 
 
 @pytest.mark.parametrize("mode", ["sd", "sd-tree", "dsd"])
-def test_first_tokens_follow_the_target_distribution(models, mode: str) -> None:
+def test_first_tokens_follow_the_target_distribution(sampling_models, mode: str) -> None:
     tree = mode == "sd-tree"
-    pairs, reused = generate_many(models, "sd" if tree else mode, RUNS, TREE_NODES if tree else 0)
-    p_first, p_joint = p_values(models, pairs)
-    print(f"\n{mode}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}, reused windows {len(reused)}/{RUNS}")
-    assert p_first > ALPHA and p_joint > ALPHA
+    pairs, reused = generate_many(sampling_models, "sd" if tree else mode, SAMPLING_RUNS, SAMPLING_TREE_NODES if tree else 0)
+    p_first, p_joint = sampling_p_values(sampling_models, pairs)
+    print(f"\n{mode}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}, reused windows {len(reused)}/{SAMPLING_RUNS}")
+    assert p_first > SAMPLING_ALPHA and p_joint > SAMPLING_ALPHA
     if tree:
-        assert len(reused) == RUNS  # every second window went out as a tree of TREE_NODES siblings
+        assert len(reused) == SAMPLING_RUNS  # every second window went out as a tree of SAMPLING_TREE_NODES siblings
     elif mode == "sd":
         assert not reused
     else:
         # A branch is reused when the target's first token is one of the draft's guesses (about 1 in 4
         # here); the second tokens drawn from those reused windows follow the target too.
-        assert len(reused) > RUNS // 10
-        p_reused = p_second_given_first(models, reused)
+        assert len(reused) > SAMPLING_RUNS // 10
+        p_reused = p_second_given_first(sampling_models, reused)
         print(f"dsd, reused windows only: p(second | first) = {p_reused:.3g}")
-        assert p_reused > ALPHA
+        assert p_reused > SAMPLING_ALPHA
 
 
 def accept_every_draft(target_logits, draft_tokens, draft_probs, params, generator=None, tau=None) -> Verdict:
@@ -209,11 +159,11 @@ def no_elimination(target, tree, params, generator=None, tau=None, **_) -> TreeV
 
 
 @pytest.mark.parametrize("broken", [accept_every_draft, skip_the_residual, no_elimination], ids=lambda f: f.__name__)
-def test_a_broken_rule_fails_the_same_test(models, monkeypatch: pytest.MonkeyPatch, broken) -> None:
+def test_a_broken_rule_fails_the_same_test(sampling_models, monkeypatch: pytest.MonkeyPatch, broken) -> None:
     tree = broken is no_elimination
     monkeypatch.setattr(engine_module, "verify_tree" if tree else "verify_window", broken)
-    pairs, _ = generate_many(models, "sd", BROKEN_RUNS, TREE_NODES if tree else 0)
-    p_first, p_joint = p_values(models, pairs)
+    pairs, _ = generate_many(sampling_models, "sd", SAMPLING_BROKEN_RUNS, SAMPLING_TREE_NODES if tree else 0)
+    p_first, p_joint = sampling_p_values(sampling_models, pairs)
     print(f"\n{broken.__name__}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}")
-    assert p_first > ALPHA  # the first token is sampled from the prompt's logits: no draft involved
-    assert p_joint < ALPHA
+    assert p_first > SAMPLING_ALPHA  # the first token is sampled from the prompt's logits: no draft involved
+    assert p_joint < SAMPLING_ALPHA

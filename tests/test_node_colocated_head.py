@@ -13,17 +13,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_node_tree_generation import (  # noqa: F401
-    MODEL,
-    PROMPTS,
-    KillOnTree,
-    noisy_draft,
-    noisy_draft_store,
-    reference,
-)
 
-from conftest import cli, hf_greedy
-from dsd.discovery.survey import wait_for_route
+from conftest import DaemonSwarm, KillOnTree, cli, hf_greedy
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -31,66 +22,33 @@ from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
 from dsd.node.route.generate import generate_once
 from dsd.node.route.keeper import open_route_keeper
-from dsd.node.testnet.processes import PeerProcess, spawn, stop_processes, wait_ready
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
 
+MODEL = "tiny-qwen2"
+PROMPTS = [[1, 17, 42, 99, 5, 17, 42, 99], [1, 250, 3, 3, 3, 3, 8]]
 N_NEW = 20
 LAYERS = 5
 
 
-class Swarm:
-    """A bootstrap node plus block daemons started one by one (each with its own span), stopped together."""
-
-    def __init__(self, store: Path, state: Path) -> None:
-        self.store = store
-        self.state = state
-        self.procs: list[PeerProcess] = []
-        boot = self._spawn("bootstrap", ["start", "--bootstrap-only"])
-        self.bootstrap = boot["addrs"][0]
-
-    def _spawn(self, name: str, args: list[str]) -> dict:
-        ready = self.state / f"{name}.json"
-        proc = spawn(name, [*args, "--identity", str(self.state / f"{name}.key"), "--ready-file", str(ready)], self.state)
-        self.procs.append(proc)
-        info = wait_ready(ready, proc, 120)
-        info["pid"] = proc.pid
-        return info
-
-    def peer(self, name: str, blocks: str) -> dict:
-        return self._spawn(name, ["start", "--store", str(self.store), "--blocks", blocks, "--bootstrap", self.bootstrap,
-                                  "--threads", "1", "--record-ttl", "6"])
-
-    def wait_route(self, blocks: tuple[int, int]) -> None:
-        async def main() -> None:
-            async with head_node([self.bootstrap]) as (node, _legs):
-                await wait_for_route(node, MODEL, LAYERS, 60, poll_s=0.3, blocks=blocks)
-
-        trio.run(main)
-
-    def stop(self) -> None:
-        stop_processes([p.pid for p in reversed(self.procs)])
-
-
 @pytest.fixture(scope="module")
-def swarm(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict]]:
+def swarm(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonSwarm, dict]]:
     """Peers for blocks 2:4 and 4:5 only: the head serves 0:2."""
-    net = Swarm(tiny_qwen2_root / "store", tmp_path_factory.mktemp("colocated"))
-    try:
-        peers = {"mid": net.peer("mid", "2:4"), "last": net.peer("last", "4:5")}
-        net.wait_route((2, LAYERS))
+    with DaemonSwarm(tmp_path_factory.mktemp("colocated")) as net:
+        store = tiny_qwen2_root / "store"
+        peers = {"mid": net.peer("mid", store, "2:4", "--record-ttl", "6"),
+                 "last": net.peer("last", store, "4:5", "--record-ttl", "6")}
+        net.wait_route(MODEL, LAYERS, (2, LAYERS))
         yield net, peers
-    finally:
-        net.stop()
 
 
 def local_hops(report: dict) -> list[tuple[int, int]]:
     return [(h["start"], h["end"]) for h in report["hops"] if h["local"]]
 
 
-def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
-                                                                 noisy_draft) -> None:  # noqa: F811
+def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
+                                                                 noisy_draft) -> None:
     net, peers = swarm
     store = Store(tiny_qwen2_root / "store")
     head = store.load_head()
@@ -99,7 +57,7 @@ def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwe
     async def main() -> None:
         async with head_node([net.bootstrap]) as (node, legs):
             for prompt in PROMPTS:
-                expected = hf_greedy(reference, prompt, N_NEW)
+                expected = hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
                 for mode in ("sd", "dsd"):
                     for tree_nodes in (None, 12, 0):
                         setup = HeadSetup(head, MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
@@ -117,8 +75,8 @@ def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwe
     assert trees["sd", 12] > 0 and trees["dsd", 12] > 0 and trees["sd", 0] == trees["dsd", 0] == 0
 
 
-def test_cli_generate_blocks_reports_the_local_hop_and_refuses_bad_spans(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
-                                                                         noisy_draft_store: Path) -> None:  # noqa: F811
+def test_cli_generate_blocks_reports_the_local_hop_and_refuses_bad_spans(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
+                                                                         noisy_draft_store: Path) -> None:
     net, peers = swarm
     prompt = PROMPTS[0]
     common = ["generate", "--bootstrap", net.bootstrap, "--store", str(tiny_qwen2_root / "store"),
@@ -127,19 +85,19 @@ def test_cli_generate_blocks_reports_the_local_hop_and_refuses_bad_spans(swarm, 
     out = cli(*common, "--blocks", "0:2", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
-    assert report["tokens"] == hf_greedy(reference, prompt, N_NEW)
+    assert report["tokens"] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
     assert len(report["route"]) == 2 and local_hops(report) == [(0, 2)]  # a 3-hop ring with one hop on the head
     assert report["tree_windows"] > 0
     out = cli(*common, "--blocks", "1:3", timeout=60)  # a span in the middle of the ring (other spans: test_discovery_planner)
     assert out.returncode == 2 and "the head serves the first layers" in out.stderr, out.stderr[-1000:]
 
 
-def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen2_root: Path, reference,  # noqa: F811
-                                                                noisy_draft) -> None:  # noqa: F811
+def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
+                                                                noisy_draft) -> None:
     """A peer for 0:2 joins; the head serves 4:5, so the ring ends before it and its span runs on each result."""
     net, peers = swarm
-    first = net.peer("first", "0:2")
-    net.wait_route((0, 4))
+    first = net.peer("first", tiny_qwen2_root / "store", "0:2", "--record-ttl", "6")
+    net.wait_route(MODEL, LAYERS, (0, 4))
     store = Store(tiny_qwen2_root / "store")
     prompt = PROMPTS[1]
 
@@ -149,7 +107,7 @@ def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen
                 setup = HeadSetup(store.load_head(), MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
                 cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
                 report = await generate_once(node, legs, setup, prompt, cfg, local_span=store.load_span(4, 5))
-                assert report["tokens"] == hf_greedy(reference, prompt, N_NEW), (mode, tree_nodes)
+                assert report["tokens"] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW), (mode, tree_nodes)
                 assert report["route"] == [first["peer_id"], peers["mid"]["peer_id"]]
                 assert local_hops(report) == [(4, 5)] and report["hops"][-1]["local"]
                 if tree_nodes is not None:  # auto may choose either
@@ -159,11 +117,11 @@ def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen
 
 
 def test_a_peer_killed_with_a_tree_in_flight_is_replaced_and_the_head_span_replayed(
-    swarm, tiny_qwen2_root: Path, reference, noisy_draft  # noqa: F811
+    swarm, tiny_qwen2_root: Path, tiny_qwen2_hf, noisy_draft
 ) -> None:
     """Runs last in this module: it kills the route's peer for 4:5; a second peer for 4:5 takes over."""
     net, peers = swarm
-    standby = net.peer("standby", "4:5")
+    standby = net.peer("standby", tiny_qwen2_root / "store", "4:5", "--record-ttl", "6")
     pids = {info["peer_id"]: info["pid"] for info in (*peers.values(), standby)}
     store = Store(tiny_qwen2_root / "store")
     prompt = PROMPTS[0]
@@ -182,4 +140,4 @@ def test_a_peer_killed_with_a_tree_in_flight_is_replaced_and_the_head_span_repla
     assert len(events) == 1 and events[0].blamed == [backend.killed]
     assert route[0] == peers["mid"]["peer_id"] and route[1] in pids and route[1] != backend.killed  # the other 4:5 peer
     assert result.tree_windows > 1
-    assert result.tokens == hf_greedy(reference, prompt, N_NEW)
+    assert result.tokens == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)

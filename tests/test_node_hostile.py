@@ -16,6 +16,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import DaemonSwarm, raw_exchange, raw_frame, read_frames
 from dsd.node.peer.host import head_node
 from dsd.node.route.errors import RouteError
 from dsd.node.route.session import RouteSession, open_route_session
@@ -42,44 +43,10 @@ def rss_kib(pid: int) -> int:
 def peer(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
     """A bootstrap node and one peer serving all 5 layers with small limits."""
     state = tmp_path_factory.mktemp("hostile")
-    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state / "boot.key"),
-                               "--ready-file", str(state / "boot.json")], state)
-    procs = [boot]
-    try:
-        binfo = wait_ready(state / "boot.json", boot, 120)
-        p = spawn("peer", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
-                           "--bootstrap", binfo["addrs"][0], "--identity", str(state / "peer.key"),
-                           "--ready-file", str(state / "peer.json"), "--threads", "1",
-                           "--max-sessions", str(MAX_SESSIONS), "--max-len", "64", "--idle-timeout", "30"], state)
-        procs.append(p)
-        info = wait_ready(state / "peer.json", p, 120)
-        yield {"bootstrap": binfo["addrs"][0], "peer_id": info["peer_id"], "addrs": info["addrs"], "pid": p.pid,
-               "log": p.log, "state": state}
-    finally:
-        stop_processes([x.pid for x in reversed(procs)])
-
-
-async def raw_exchange(node, peer: dict, data: bytes, *, close_write: bool = True) -> list:
-    """Write raw bytes on a fresh infer stream; return the frames answered before the stream closed."""
-    stream = await node.open_raw(peer["peer_id"], peer["addrs"], INFER_PROTOCOL)
-    decoder = FrameDecoder()
-    got: list = []
-    with trio.fail_after(20):
-        await stream.write(data)
-        if close_write:
-            try:
-                await stream.close_write()
-            except Exception:
-                pass
-        while True:
-            try:
-                chunk = await stream.read(65536)
-            except Exception:
-                break
-            if not chunk:
-                break
-            got.extend(decoder.feed(chunk))
-    return got
+    with DaemonSwarm(state) as net:
+        info = net.peer("peer", tiny_qwen2_root / "store", "0:5", "--max-sessions", str(MAX_SESSIONS),
+                        "--max-len", "64", "--idle-timeout", "30")
+        yield {**info, "state": state}
 
 
 def assert_refused(frames: list) -> Error:
@@ -92,8 +59,7 @@ def long_route_open(peer_id: str) -> bytes:
     """An OpenSession whose route has 40 hops (the limit is 32): built by hand, as a hostile client would."""
     body = msgpack.unpackb(encode(OpenSession("s", MODEL, 0, 5, 32, (Hop(peer_id, ("/ip4/127.0.0.1/tcp/1",), 0, 0),)))[4:])
     body["route"] = body["route"] * 40
-    raw = msgpack.packb(body)
-    return len(raw).to_bytes(4, "big") + raw
+    return raw_frame(body)
 
 
 def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny_qwen2_root: Path) -> None:
@@ -127,7 +93,7 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
                 "route longer than the limit": long_route_open(node.peer_id),
             }
             for label, data in raw_cases.items():
-                error = assert_refused(await raw_exchange(node, peer, data))
+                error = assert_refused(await raw_exchange(node, peer, INFER_PROTOCOL, data, close_write=True))
                 outcomes[label] = f"Error {error.code}: {error.message}"
             assert outcomes["Forward before OpenSession"].startswith("Error bad_request")
             assert outcomes["4 GiB length header"].startswith("Error")
@@ -190,8 +156,7 @@ def raw_forward(session: str, rows: int, **patch: object) -> bytes:
     head sends (the message classes refuse to build it)."""
     body = Fwd(session, 0, 0, 0, encode_tensor(np.zeros((rows, 64), np.float32), "raw")).to_wire()
     body.update(patch)
-    raw = msgpack.packb(body, use_bin_type=True)
-    return len(raw).to_bytes(4, "big") + raw
+    return raw_frame(body)
 
 
 async def raw_session_exchange(node, legs, peer: dict, session: str, frame: bytes) -> list:
@@ -200,22 +165,12 @@ async def raw_session_exchange(node, legs, peer: dict, session: str, frame: byte
     try:
         stream = await node.open_raw(peer["peer_id"], peer["addrs"], INFER_PROTOCOL)
         decoder = FrameDecoder()
-        got: list = []
         with trio.fail_after(20):
             head_hop = Hop(node.peer_id, tuple(node.addrs), 0, 0)
             await stream.write(encode(OpenSession(session, MODEL, 0, 5, 32, (head_hop,))))
-            while not got:  # the Ack first, so the bad frame is read inside the session
-                got.extend(decoder.feed(await stream.read(65536)))
+            got = await read_frames(stream, decoder, replies=1)  # the Ack first, so the bad frame is read inside the session
             await stream.write(frame)
-            while True:
-                try:
-                    chunk = await stream.read(65536)
-                except Exception:
-                    break
-                if not chunk:
-                    break
-                got.extend(decoder.feed(chunk))
-        return got
+            return got + await read_frames(stream, decoder)
     finally:
         legs.forget(session)
 

@@ -6,30 +6,22 @@ are replayed as a chain, the tree is re-sent on the new route and the output is 
 
 from __future__ import annotations
 
-import copy
 import json
-import os
-import signal
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 import trio
-from transformers import AutoModelForCausalLM
 
-from conftest import cli, cli_testnet, hf_greedy
+from conftest import KillOnTree, cli, cli_testnet, hf_greedy
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
-from dsd.node.route.backend import RouteBackend
 from dsd.node.route.generate import generate_once
 from dsd.node.route.keeper import open_route_keeper
 from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
 from dsd.shard_store import Store
-from dsd.shard_store.writer import write_store
 
 pytestmark = pytest.mark.network
 
@@ -46,32 +38,14 @@ def testnet(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
         yield info
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_qwen2_root: Path):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def noisy_draft(reference) -> torch.nn.Module:
-    """The target with noise (10 % of each tensor's std) on its decoder layers: it agrees with the target
-    about 60 % of the time, and where not, the target's token is often its 2nd or 3rd choice."""
-    draft = copy.deepcopy(reference)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if ".layers." in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
-    return draft.eval()
-
-
-def test_greedy_tree_generation_over_the_ring_equals_hf(testnet: dict, tiny_qwen2_root: Path, reference, noisy_draft) -> None:
+def test_greedy_tree_generation_over_the_ring_equals_hf(testnet: dict, tiny_qwen2_root: Path, tiny_qwen2_hf, noisy_draft) -> None:
     head = Store(tiny_qwen2_root / "store").load_head()
     trees: dict[tuple[str, int | None], int] = {}
 
     async def main() -> None:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             for prompt in PROMPTS:
-                expected = hf_greedy(reference, prompt, N_NEW)
+                expected = hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
                 for mode in ("sd", "dsd"):
                     for tree_nodes in (None, 12):
                         setup = HeadSetup(head, MODEL, 5, ModelDrafter(noisy_draft, SamplingParams()))
@@ -87,14 +61,7 @@ def test_greedy_tree_generation_over_the_ring_equals_hf(testnet: dict, tiny_qwen
     assert all(n > 0 for n in trees.values()), trees  # trees went round the ring in every setting
 
 
-@pytest.fixture(scope="module")
-def noisy_draft_store(noisy_draft, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("noisy") / "store"
-    write_store(noisy_draft, folder, model_id="tiny-qwen2-noisy")
-    return folder
-
-
-def test_cli_tree_nodes_zero_sends_chains_and_a_budget_sends_trees(testnet: dict, tiny_qwen2_root: Path, reference,
+def test_cli_tree_nodes_zero_sends_chains_and_a_budget_sends_trees(testnet: dict, tiny_qwen2_root: Path, tiny_qwen2_hf,
                                                                     noisy_draft_store: Path) -> None:
     prompt = PROMPTS[0]
     common = ["generate", "--bootstrap", testnet["bootstrap"], "--store", str(tiny_qwen2_root / "store"),
@@ -105,7 +72,7 @@ def test_cli_tree_nodes_zero_sends_chains_and_a_budget_sends_trees(testnet: dict
         out = cli(*common, "--tree-nodes", budget, timeout=180)
         assert out.returncode == 0, out.stderr[-2000:]
         reports[budget] = json.loads(out.stdout)
-        assert reports[budget]["tokens"] == hf_greedy(reference, prompt, N_NEW)
+        assert reports[budget]["tokens"] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
     chains, trees = reports["0"], reports["10"]
     assert chains["tree_windows"] == 0 and chains["mean_tree_nodes"] == chains["mean_window_depth"]
     assert trees["tree_windows"] > 0 and trees["mean_tree_nodes"] > trees["mean_window_depth"]
@@ -113,29 +80,8 @@ def test_cli_tree_nodes_zero_sends_chains_and_a_budget_sends_trees(testnet: dict
     assert bad.returncode != 0 and "--tree-nodes" in bad.stderr
 
 
-class KillOnTree(RouteBackend):
-    """Kills the route's last hop just before the first tree window goes out, and notes the replay."""
-
-    def __init__(self, *args, pids: dict[str, int], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.pids = pids
-        self.killed: str | None = None
-        self.replayed_tree = False
-
-    async def submit(self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
-                     parents: Sequence[int] | None = None, keep: Sequence[int] | None = None) -> None:
-        if parents is not None and self.killed is None:
-            self.killed = self.session.hops[-1].peer_id
-            os.kill(self.pids[self.killed], signal.SIGKILL)
-        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
-
-    async def _replay(self, epoch: int) -> None:
-        self.replayed_tree = self.replayed_tree or self._parents is not None
-        await super()._replay(epoch)
-
-
 def test_a_hop_killed_with_a_tree_in_flight_is_replaced_and_output_is_unchanged(
-    testnet: dict, tiny_qwen2_root: Path, reference, noisy_draft, tmp_path: Path
+    testnet: dict, tiny_qwen2_root: Path, tiny_qwen2_hf, noisy_draft, tmp_path: Path
 ) -> None:
     """Runs last in this module: it kills a peer. A standby peer serves the last span, so a route is left."""
     store = Store(tiny_qwen2_root / "store")
@@ -163,4 +109,4 @@ def test_a_hop_killed_with_a_tree_in_flight_is_replaced_and_output_is_unchanged(
     assert backend.killed is not None and backend.replayed_tree
     assert len(events) == 1 and events[0].blamed == [backend.killed]
     assert result.tree_windows > 1  # trees went on after the failover
-    assert result.tokens == hf_greedy(reference, prompt, N_NEW)
+    assert result.tokens == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)

@@ -1,14 +1,17 @@
-"""`dsd-node start --metrics-port`: a real block peer's Prometheus endpoint, scraped over HTTP.
+"""`dsd-node start --metrics-port`: a real peer's Prometheus endpoint, scraped over HTTP.
 
 A peer serving all 5 layers of the tiny Qwen2 with `--metrics-port 0`: hand-made windows of
 known sizes through a real session (the open-session and KV gauges while it runs, one forward
 step observation per window in its size's bucket, bytes both ways), then a `dsd-node generate`
 through the peer, then a malformed frame and a refused open, each counted by its error code.
+A federated worker counts the same way (a `generate --federated` through it, a refused open).
+A port already in use ends `start` with one line.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,12 +22,11 @@ import torch
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import cli
+from conftest import DaemonSwarm, cli, raw_exchange
 from dsd.node.peer.host import head_node
 from dsd.node.route.session import open_route_session
-from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
-from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, encode
-from dsd.protocol.ids import INFER_PROTOCOL
+from dsd.protocol import Error, Hop, OpenSession, encode
+from dsd.protocol.ids import FEDERATED_PROTOCOL, INFER_PROTOCOL
 from dsd.shard_store import Store
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(240)]
@@ -33,24 +35,24 @@ MODEL = "tiny-qwen2"
 
 
 @pytest.fixture(scope="module")
-def peer(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A bootstrap node and one peer serving blocks 0:5 with its metrics on a free loopback port."""
-    state = tmp_path_factory.mktemp("peer_metrics")
-    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(state / "boot.key"),
-                               "--ready-file", str(state / "boot.json")], state)
-    procs = [boot]
-    try:
-        binfo = wait_ready(state / "boot.json", boot, 120)
-        p = spawn("peer", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
-                           "--bootstrap", binfo["addrs"][0], "--identity", str(state / "peer.key"),
-                           "--ready-file", str(state / "peer.json"), "--threads", "1", "--max-len", "512",
-                           "--kv-budget", "2000", "--metrics-port", "0"], state)
-        procs.append(p)
-        info = wait_ready(state / "peer.json", p, 120)
-        yield {"bootstrap": binfo["addrs"][0], "peer_id": info["peer_id"], "addrs": info["addrs"],
-               "metrics_url": info["metrics_url"], "log": p.log}
-    finally:
-        stop_processes([x.pid for x in reversed(procs)])
+def net(tmp_path_factory: pytest.TempPathFactory):
+    with DaemonSwarm(tmp_path_factory.mktemp("peer_metrics")) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def peer(net: DaemonSwarm, tiny_qwen2_root: Path) -> dict:
+    """One peer serving blocks 0:5 with its metrics on a free loopback port."""
+    return net.peer("peer", tiny_qwen2_root / "store", "0:5", "--max-len", "512", "--kv-budget", "2000",
+                    "--metrics-port", "0")
+
+
+@pytest.fixture(scope="module")
+def worker(net: DaemonSwarm, tiny_qwen2_root: Path) -> dict:
+    """A federated worker holding the whole tiny Qwen2, with its metrics on a free loopback port."""
+    info = net.start("worker", "--federated", "--store", str(tiny_qwen2_root / "store"), "--bootstrap", net.bootstrap,
+                     "--threads", "1", "--kv-budget", "3000", "--metrics-port", "0")
+    return {**info, "bootstrap": net.bootstrap}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -119,23 +121,6 @@ def test_metrics_count_sessions_windows_bytes_and_kv(peer: dict, tiny_qwen2_root
     assert not any(k.startswith("dsd_peer_errors_total") for k in after), after
 
 
-async def raw_exchange(node, peer: dict, data: bytes) -> list:
-    """Write raw bytes on a fresh infer stream; the frames answered before the stream closed."""
-    stream = await node.open_raw(peer["peer_id"], peer["addrs"], INFER_PROTOCOL)
-    decoder, got = FrameDecoder(), []
-    with trio.fail_after(20):
-        await stream.write(data)
-        while True:
-            try:
-                chunk = await stream.read(65536)
-            except Exception:
-                break
-            if not chunk:
-                break
-            got.extend(decoder.feed(chunk))
-    return got
-
-
 def test_errors_are_counted_by_code(peer: dict) -> None:
     url = peer["metrics_url"]
     before = scrape(url)
@@ -143,10 +128,10 @@ def test_errors_are_counted_by_code(peer: dict) -> None:
 
     async def main() -> None:
         async with head_node([peer["bootstrap"]]) as (node, _legs):
-            answers.extend(await raw_exchange(node, peer, b"\xff\xff\xff\xff" + b"x" * 16))  # a 4 GiB frame header
+            answers.extend(await raw_exchange(node, peer, INFER_PROTOCOL, b"\xff\xff\xff\xff" + b"x" * 16))  # a 4 GiB header
             head_hop = Hop(node.peer_id, tuple(node.addrs), 0, 0)
-            answers.extend(await raw_exchange(node, peer, encode(OpenSession("s1", "other-model", 0, 5, 16,
-                                                                             (head_hop,)))))
+            answers.extend(await raw_exchange(node, peer, INFER_PROTOCOL, encode(OpenSession(
+                "s1", "other-model", 0, 5, 16, (head_hop,)))))
 
     trio.run(main)
     assert [type(a) for a in answers] == [Error, Error], answers
@@ -167,3 +152,45 @@ def test_metrics_port_out_of_range_is_refused(tiny_qwen2_root: Path, tmp_path: P
     r = cli("start", "--store", str(tiny_qwen2_root / "store"), "--identity", str(tmp_path / "k.key"),
             "--metrics-port", "70000", timeout=60)
     assert r.returncode == 2 and "--metrics-port must be in 0..65535" in r.stderr, r.stderr
+
+
+def test_a_federated_worker_counts_sessions_windows_bytes_and_refusals(worker: dict,
+                                                                       tiny_qwen2_draft_store: Path) -> None:
+    url = worker["metrics_url"]
+    before = scrape(url)
+    assert before["dsd_peer_sessions_opened_total"] == 0 and before["dsd_peer_kv_budget_tokens"] == 3000
+    gen = cli("generate", "--federated", "--bootstrap", worker["bootstrap"], "--store", str(tiny_qwen2_draft_store),
+              "--workers", worker["peer_id"], "--prompt-ids", "1,17,42,99,5,6,7,8", "--max-new-tokens", "12",
+              "--mode", "sd", "--threads", "1", "--json")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    answered = json.loads(gen.stdout)["workers"][0]["windows_answered"]
+    after = scrape(url)
+    assert after["dsd_peer_sessions_opened_total"] == 1
+    assert after["dsd_peer_sessions_open"] == 0 and after["dsd_peer_kv_tokens_used"] == 0
+    assert sum(forward_counts(after).values()) - sum(forward_counts(before).values()) == answered >= 1
+    assert forward_counts(after).get("5-8", 0) >= 1  # the 8-token prompt went as one window
+    for direction in ("in", "out"):
+        assert after[f"dsd_peer_bytes_total{{direction={direction}}}"] > before[f"dsd_peer_bytes_total{{direction={direction}}}"]
+
+    async def refused() -> list:
+        async with head_node([worker["bootstrap"]]) as (node, _legs):
+            return await raw_exchange(node, worker, FEDERATED_PROTOCOL, encode(OpenSession("s9", "other-model", 0, 5, 16, ())))
+
+    (answer,) = trio.run(refused)
+    assert isinstance(answer, Error) and answer.code == "bad_request", answer
+    last = scrape(url)
+    assert last.get("dsd_peer_sessions_refused_total{code=bad_request}", 0) == 1
+    assert last.get("dsd_peer_errors_total{code=bad_request}", 0) == 1
+    assert last["dsd_peer_sessions_opened_total"] == 1
+
+
+def test_a_metrics_port_in_use_ends_start_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = cli("start", "--bootstrap-only", "--identity", str(tmp_path / "k.key"), "--metrics-port", str(port),
+                  timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr, out.stderr
+    assert lines == [f"dsd-node: --metrics-port {port}: cannot listen on http://127.0.0.1:{port}: Address already in use"]

@@ -11,13 +11,13 @@ import random
 import tracemalloc
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from conftest import raw_frame, split_at
 from dsd.protocol import (
     Ack,
     CloseSession,
@@ -109,16 +109,10 @@ def _survive(chunks: list[bytes], limits: Limits | None = None) -> list[Message]
     return out
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    edges = [0, *points, len(data)]
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
-
-
 @_fuzz(2000)
 @given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 400), max_size=5))
 def test_random_bytes(data: bytes, cuts: list[int]) -> None:
-    _survive(_split(data, cuts))
+    _survive(split_at(data, cuts))
 
 
 @_fuzz(500)
@@ -161,8 +155,7 @@ def test_mutated_message_maps(data: st.DataObject) -> None:
     wire = SAMPLES[data.draw(st.integers(0, len(SAMPLES) - 1))].to_wire()
     for _ in range(data.draw(st.integers(1, 3))):
         _mutate(wire, data.draw)
-    body = msgpack.packb(wire, use_bin_type=True)
-    _survive([len(body).to_bytes(4, "big") + body])
+    _survive([raw_frame(wire)])
 
 
 tree_items = st.integers(-3, 70) | st.integers(-(2**63), 2**64 - 1) | st.booleans() | st.floats() | st.none() | st.text(max_size=3)
@@ -198,9 +191,8 @@ def _tree_sample(draw: st.DrawFn) -> tuple[Message, dict[str, Any]]:
 def test_fuzzed_tree_fields_decode_only_to_valid_trees(data: st.DataObject) -> None:
     """Random parents / keep values: a ProtocolError, or a window whose tree holds every wire rule."""
     sample, wire = _tree_sample(data.draw)
-    body = msgpack.packb(wire, use_bin_type=True)
     try:
-        (msg,) = FrameDecoder().feed(len(body).to_bytes(4, "big") + body)
+        (msg,) = FrameDecoder().feed(raw_frame(wire))
     except ProtocolError as exc:
         assert exc.code in ("bad_request", "limit", "bad_frame") and exc.field
         assert exc.field.startswith(type(sample).__name__)
@@ -239,7 +231,7 @@ def test_bit_flipped_frames(i: int, flips: list[int], cuts: list[int]) -> None:
     frame = bytearray(FRAMES[i])
     for f in flips:
         frame[(f // 8) % len(frame)] ^= 1 << (f % 8)
-    _survive(_split(bytes(frame), cuts))
+    _survive(split_at(bytes(frame), cuts))
 
 
 @_fuzz(500)
@@ -258,7 +250,7 @@ def test_seeded_random_bytes_sweep() -> None:
     for i in range(4000):
         body = rnd.randbytes(rnd.randint(1, 200))
         data = len(body).to_bytes(4, "big") + body if i % 2 else body
-        _survive(_split(data, [rnd.randrange(len(data) + 1) for _ in range(2)]))
+        _survive(split_at(data, [rnd.randrange(len(data) + 1) for _ in range(2)]))
 
 
 def test_seeded_mutation_sweep() -> None:
@@ -277,7 +269,7 @@ def test_seeded_mutation_sweep() -> None:
                 del data[pos : pos + rnd.randint(1, 4)]
             else:
                 data[pos] = rnd.choice([0x00, 0x7F, 0x80, 0xC0, 0xC6, 0xCF, 0xDD, 0xDF, 0xFF])
-        out = _survive(_split(bytes(data), [rnd.randrange(len(data)) for _ in range(3)]))
+        out = _survive(split_at(bytes(data), [rnd.randrange(len(data)) for _ in range(3)]))
         decoded += len(out or [])
     assert decoded > 0  # some mutations land in payload bytes and still decode
 

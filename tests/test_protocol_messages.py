@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import raw_frame, split_at
 from dsd.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -158,19 +159,13 @@ messages = st.one_of(
 )
 
 
-def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    edges = [0, *points, len(data)]
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
-
-
 @SETTINGS
 @given(msgs=st.lists(messages, min_size=1, max_size=3), cuts=st.lists(st.integers(0, 10**6), max_size=12))
 def test_messages_round_trip_in_random_chunks(msgs: list[Message], cuts: list[int]) -> None:
     blob = b"".join(encode(m) for m in msgs)
     dec = FrameDecoder()
     out: list[Message] = []
-    for piece in _chunks(blob, cuts):
+    for piece in split_at(blob, cuts):
         out += dec.feed(piece)
     assert out == msgs
     assert [type(m) for m in out] == [type(m) for m in msgs]
@@ -195,17 +190,12 @@ def test_frame_layout_is_length_prefixed_msgpack_map() -> None:
     assert body == {"v": PROTOCOL_VERSION, "type": "ack", "session": "s1", "length": 12}
 
 
-def _frame(body: dict) -> bytes:
-    raw = msgpack.packb(body, use_bin_type=True)
-    return len(raw).to_bytes(4, "big") + raw
-
-
 def test_newer_minor_unknown_fields_are_ignored() -> None:
     body = Forward("s", 3, 10, 8, encode_tensor(np.ones((2, 4), np.float32), "raw")).to_wire()
     body["v"] = "1.9"
     body["priority"] = {"nested": [1, 2, 3]}
     body["hidden"]["future_field"] = "x"
-    (msg,) = FrameDecoder().feed(_frame(body))
+    (msg,) = FrameDecoder().feed(raw_frame(body))
     assert msg == Forward("s", 3, 10, 8, encode_tensor(np.ones((2, 4), np.float32), "raw"))
 
 
@@ -214,7 +204,7 @@ def test_unknown_major_version_is_refused(version: str) -> None:
     body = Ack("s", 1).to_wire()
     body["v"] = version
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder().feed(_frame(body))
+        FrameDecoder().feed(raw_frame(body))
     assert ei.value.field == "v" and ei.value.code == "version"
 
 
@@ -243,7 +233,7 @@ def test_bad_fields_are_named(patch: dict, field: str) -> None:
         else:
             body[key] = value
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder().feed(_frame(body))
+        FrameDecoder().feed(raw_frame(body))
     assert ei.value.field == field
     assert field in str(ei.value)
 
@@ -302,11 +292,11 @@ def test_error_blame_is_optional_on_the_wire_and_checked() -> None:
     body = err.to_wire()
     assert body["blame"] == "B"
     del body["blame"]  # an older peer sends none
-    assert FrameDecoder().feed(_frame(body)) == [Error("unreachable", "A: next hop B unreachable", "s")]
+    assert FrameDecoder().feed(raw_frame(body)) == [Error("unreachable", "A: next hop B unreachable", "s")]
     for bad in (7, "", "x" * (Limits().max_str + 1)):
         body["blame"] = bad
         with pytest.raises(ProtocolError) as ei:
-            FrameDecoder().feed(_frame(body))
+            FrameDecoder().feed(raw_frame(body))
         assert ei.value.field == "Error.blame"
     with pytest.raises(ProtocolError, match="Error.blame"):
         Error("internal", "boom", None, "")
@@ -352,7 +342,7 @@ def _tree_forward(**patch: object) -> bytes:
     """A 3-row Forward frame with `patch` applied to its wire map (as a hostile peer would send it)."""
     body = Forward("s", 3, 10, 8, encode_tensor(np.ones((3, 4), np.float32), "raw")).to_wire()
     body.update(patch)
-    return _frame(body)
+    return raw_frame(body)
 
 
 def test_tree_fields_round_trip_and_default_to_a_chain() -> None:
@@ -366,7 +356,7 @@ def test_tree_fields_round_trip_and_default_to_a_chain() -> None:
     assert (chain.parents, chain.keep) == (None, None)
     old = chain.to_wire()
     del old["parents"], old["keep"]  # a 1.0 peer sends neither
-    assert FrameDecoder().feed(_frame(old)) == [chain]
+    assert FrameDecoder().feed(raw_frame(old)) == [chain]
     window = DraftWindow("s", 0, 3, 3, (5, 6, 7), 8, 0.0, parents=(-1, -1, 1), keep=(2,))
     assert FrameDecoder().feed(encode(window)) == [window]
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import raw_frame, split_at
 from dsd.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -60,12 +61,6 @@ values = st.recursive(
 )
 
 
-def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    edges = [0, *points, len(data)]
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
-
-
 def _survive(chunks: list[bytes]) -> list[Message] | None:
     """Feed chunks to a records decoder; the messages, or None when a ProtocolError ended the stream."""
     dec = FrameDecoder(RECORDS_LIMITS)
@@ -85,7 +80,7 @@ def test_the_record_messages_are_in_the_message_table() -> None:
 @given(msgs=st.lists(messages, min_size=1, max_size=3), cuts=st.lists(st.integers(0, 10**5), max_size=8))
 def test_round_trip_in_random_chunks(msgs: list[Message], cuts: list[int]) -> None:
     stream = b"".join(encode(m, RECORDS_LIMITS) for m in msgs)
-    assert _survive(_chunks(stream, cuts)) == msgs
+    assert _survive(split_at(stream, cuts)) == msgs
 
 
 def test_wire_form_is_a_typed_map() -> None:
@@ -136,16 +131,14 @@ def test_construction_names_the_bad_field(build: Any, field: str, code: str) -> 
 )
 def test_decoding_names_the_bad_field(patch: dict[str, Any], field: str) -> None:
     wire = {**RecordsPut(KEY, (b"r",)).to_wire(), **patch}
-    body = msgpack.packb(wire, use_bin_type=True)
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder(RECORDS_LIMITS).feed(len(body).to_bytes(4, "big") + body)
+        FrameDecoder(RECORDS_LIMITS).feed(raw_frame(wire))
     assert ei.value.field == field
 
 
 def test_a_missing_field_is_refused() -> None:
-    body = msgpack.packb({"v": PROTOCOL_VERSION, "type": "records_found"})
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder(RECORDS_LIMITS).feed(len(body).to_bytes(4, "big") + body)
+        FrameDecoder(RECORDS_LIMITS).feed(raw_frame({"v": PROTOCOL_VERSION, "type": "records_found"}))
     assert ei.value.field == "RecordsFound.records"
 
 
@@ -181,13 +174,12 @@ def test_damaged_streams_only_raise_protocol_errors(data: st.DataObject) -> None
     damaged = bytearray(STREAM)
     for pos in data.draw(st.lists(st.integers(0, len(STREAM) - 1), min_size=1, max_size=6)):
         damaged[pos] = data.draw(st.integers(0, 255))
-    _survive(_chunks(bytes(damaged), data.draw(st.lists(st.integers(0, len(STREAM)), max_size=3))))
+    _survive(split_at(bytes(damaged), data.draw(st.lists(st.integers(0, len(STREAM)), max_size=3))))
 
 
 @SETTINGS
 @given(msg=st.sampled_from(SAMPLES), field=st.sampled_from(["key", "records", "stored", "type", "v"]), value=values)
 def test_any_field_value_decodes_or_is_refused(msg: Message, field: str, value: Any) -> None:
-    body = msgpack.packb({**msg.to_wire(), field: value}, use_bin_type=True)
-    out = _survive([len(body).to_bytes(4, "big") + body])
+    out = _survive([raw_frame({**msg.to_wire(), field: value})])
     if out is not None and field in out[0].to_wire():  # what decodes carries exactly the value sent
         assert out[0].to_wire()[field] == value

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import raw_frame, split_at
 from dsd.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -59,17 +60,6 @@ values = st.recursive(
 )
 
 
-def _frame(body: dict[str, Any]) -> bytes:
-    raw = msgpack.packb(body, use_bin_type=True)
-    return len(raw).to_bytes(4, "big") + raw
-
-
-def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    edges = [0, *points, len(data)]
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
-
-
 def _survive(chunks: list[bytes]) -> list[Message] | None:
     dec = FrameDecoder()
     try:
@@ -89,7 +79,7 @@ def test_wire_form_is_a_typed_map_and_chunk_defaults_to_the_limit() -> None:
     assert body == {"v": PROTOCOL_VERSION, "type": "get_file", "sha256": SHA, "offset": 3, "length": 9,
                     "chunk": SHARD_CHUNK_BYTES}
     del body["chunk"]  # optional on the wire
-    assert FrameDecoder().feed(_frame(body)) == [GetFile(SHA, 3, 9)]
+    assert FrameDecoder().feed(raw_frame(body)) == [GetFile(SHA, 3, 9)]
     assert FileChunk(SHA, 10, b"abc").end == 13
 
 
@@ -97,7 +87,7 @@ def test_wire_form_is_a_typed_map_and_chunk_defaults_to_the_limit() -> None:
 @given(msgs=st.lists(messages, min_size=1, max_size=4), cuts=st.lists(st.integers(0, 10**5), max_size=8))
 def test_round_trip_in_random_chunks(msgs: list[Message], cuts: list[int]) -> None:
     stream = b"".join(encode(m) for m in msgs)
-    assert _survive(_chunks(stream, cuts)) == msgs
+    assert _survive(split_at(stream, cuts)) == msgs
 
 
 @pytest.mark.parametrize(
@@ -145,7 +135,7 @@ def test_construction_names_the_bad_field(build: Any, field: str, code: str) -> 
 )
 def test_decoding_names_the_bad_field(patch: dict[str, Any], field: str) -> None:
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder().feed(_frame({**GetFile(SHA, 0, 1).to_wire(), **patch}))
+        FrameDecoder().feed(raw_frame({**GetFile(SHA, 0, 1).to_wire(), **patch}))
     assert ei.value.field == field
 
 
@@ -153,7 +143,7 @@ def test_a_missing_field_is_refused() -> None:
     body = GetFile(SHA, 0, 1).to_wire()
     del body["length"]
     with pytest.raises(ProtocolError) as ei:
-        FrameDecoder().feed(_frame(body))
+        FrameDecoder().feed(raw_frame(body))
     assert ei.value.field == "GetFile.length"
 
 
@@ -180,7 +170,7 @@ def test_damaged_streams_only_raise_protocol_errors(data: st.DataObject) -> None
     damaged = bytearray(STREAM)
     for pos in data.draw(st.lists(st.integers(0, len(STREAM) - 1), min_size=1, max_size=6)):
         damaged[pos] = data.draw(st.integers(0, 255))
-    _survive(_chunks(bytes(damaged), data.draw(st.lists(st.integers(0, len(STREAM)), max_size=3))))
+    _survive(split_at(bytes(damaged), data.draw(st.lists(st.integers(0, len(STREAM)), max_size=3))))
 
 
 @SETTINGS
@@ -189,7 +179,7 @@ def test_damaged_streams_only_raise_protocol_errors(data: st.DataObject) -> None
 def test_any_field_value_decodes_or_is_refused(msg: Message, field: str, value: Any) -> None:
     """Whatever a field holds, the decoder answers with a valid message or a ProtocolError; a sha256 that
     decodes is 64 lowercase hex characters, never a path."""
-    out = _survive([_frame({**msg.to_wire(), field: value})])
+    out = _survive([raw_frame({**msg.to_wire(), field: value})])
     if out is None:
         return
     decoded = out[0]

@@ -167,6 +167,21 @@ def cell(dom: Dom, row: dict, cls: str) -> dict | None:
     return None
 
 
+def test_page_shows_the_span_a_head_serves_itself(chromium: str, swarm: dict, tiny_qwen2_store: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`serve --blocks 0:3`: the ring is the head's own hop, then the peer serving 3:5 (the one for 0:3 is
+    not needed); the page shows the head's lane and hop, and every layer covered once by the route."""
+    last = next(p for p in block_peers(swarm) if p["start"] == 3)
+    state = tmp_path_factory.mktemp("page_serve_local")
+    with cli_serve(state, swarm["bootstrap"], tiny_qwen2_store, "--blocks", "0:3") as local:
+        dom = page_until(chromium, tmp_path_factory.mktemp("chromium_local"), local["url"] + "/",
+                         lambda d: "head [0:3]" in d.by_id("route"))
+        route = dom.by_id("route")
+        assert route.startswith(f"head [0:3] → {last['peer_id'][-SHORT:]} [3:5] → head"), route
+        assert [dom.text(e) for e in dom.with_class("local")] == ["0:3", "head [0:3]"]  # its lane's bar, its hop
+        assert [dom.text(e) for e in dom.with_class("layer")] == ["2", "2", "2", "1", "1"]  # the head and the 0:3 peer
+
+
 def test_page_shows_a_stopped_peer_dead_and_its_layers_uncovered(chromium: str, server: dict, swarm: dict,
                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """Last: stops the peer serving blocks 3:5."""

@@ -20,14 +20,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, hf_greedy, save_tiny_model
+from conftest import DaemonSwarm, cli, hf_greedy, raw_exchange, raw_frame, save_tiny_model
 from dsd.discovery.announce import Announcer, fetch_records
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import peer_id_of
@@ -37,12 +36,11 @@ from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import PieceBoard, files_for
 from dsd.node.fetch.serve import ShardServer
 from dsd.node.peer.host import head_node
-from dsd.node.testnet.processes import pid_alive, spawn, stop_processes, wait_ready
+from dsd.node.testnet.processes import pid_alive, stop_processes
 from dsd.protocol import (
     Error,
     FileChunk,
     FileEnd,
-    FrameDecoder,
     GetFile,
     GetManifest,
     ManifestData,
@@ -161,28 +159,13 @@ def store_for(tiny8: Path, model_id: str) -> Path:
     return out
 
 
-def start_daemon(state: Path, name: str, *args: str) -> tuple:
-    proc = spawn(name, ["start", *args, "--identity", str(state / f"{name}.key"), "--ready-file",
-                        str(state / f"{name}.json"), "--threads", "1"], state)
-    return proc, state / f"{name}.json"
-
-
 @pytest.fixture(scope="module")
 def swarm(tiny8: Path, tmp_path_factory: pytest.TempPathFactory):
     """A bootstrap node and a seeder serving blocks 0:4 of tiny-llama8 (its store holds all 8 layers)."""
-    state = tmp_path_factory.mktemp("shard-swarm")
-    boot, boot_ready = start_daemon(state, "bootstrap", "--bootstrap-only")
-    procs = [boot]
-    try:
-        bootstrap = wait_ready(boot_ready, boot, 120)["addrs"][0]
-        seeder, ready = start_daemon(state, "seeder", "--store", str(tiny8 / "store"), "--blocks", "0:4",
-                                     "--bootstrap", bootstrap)
-        procs.append(seeder)
-        info = wait_ready(ready, seeder, 120)
-        yield {"bootstrap": bootstrap, "state": state, "seeder": info, "seeder_pid": seeder.pid,
-               "sha": manifest_sha256(tiny8 / "store"), "procs": procs}
-    finally:
-        stop_processes([p.pid for p in reversed(procs)])
+    with DaemonSwarm(tmp_path_factory.mktemp("shard-swarm")) as net:
+        seeder = net.peer("seeder", tiny8 / "store", "0:4")
+        yield {"bootstrap": net.bootstrap, "net": net, "state": net.state, "seeder": seeder,
+               "sha": manifest_sha256(tiny8 / "store")}
 
 
 def tree(path: Path) -> set[str]:
@@ -191,10 +174,8 @@ def tree(path: Path) -> set[str]:
 
 def test_a_newcomer_fetches_only_its_span_joins_the_route_and_generates_exactly(swarm: dict, tiny8: Path) -> None:
     state, sha = swarm["state"], swarm["sha"]
-    proc, ready = start_daemon(state, "newcomer", "--model", MODEL, "--manifest-sha256", sha, "--blocks", "4:8",
-                               "--fetch-dir", str(state / "fetched"), "--bootstrap", swarm["bootstrap"])
-    swarm["procs"].append(proc)
-    info = wait_ready(ready, proc, 120)
+    info = swarm["net"].start("newcomer", "--model", MODEL, "--manifest-sha256", sha, "--blocks", "4:8",
+                              "--fetch-dir", str(state / "fetched"), "--bootstrap", swarm["bootstrap"], "--threads", "1")
     assert (info["start"], info["end"]) == (4, 8)
     fetch = info["fetch"]
     assert fetch["fetched_files"] == SPAN_FILES and fetch["kept_files"] == []
@@ -217,11 +198,11 @@ def test_a_newcomer_fetches_only_its_span_joins_the_route_and_generates_exactly(
     head = Store(tiny8 / "store").manifest
     assert tree(state / "head" / MODEL / sha[:16]) == {"manifest.json", "fetched.json", "embed.safetensors",
                                                        "head.safetensors", *head.tokenizer_files}
-    stop_processes([proc.pid])
+    stop_processes([info["pid"]])
 
 
 @pytest.mark.parametrize("command", [["start", "--blocks", "4:8"], ["store", "fetch", "--blocks", "4:8"],
-                                     ["generate", "--prompt-ids", "1,2"]])
+                                     ["generate", "--prompt-ids", "1,2"], ["serve"]])
 def test_without_a_trust_root_fetching_commands_refuse_and_say_why(command: list[str]) -> None:
     from dsd.node.cli.main import main
 
@@ -293,13 +274,12 @@ def test_a_corrupting_seeder_is_blacklisted_and_the_fetch_completes_from_another
 def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swarm: dict, tiny8: Path,
                                                                            tmp_path: Path) -> None:
     store = store_for(tiny8, "tiny-llama8-c")
-    state = tmp_path / "state"
-    state.mkdir()
-    slow = ("--store", str(store), "--blocks", "0:8", "--bootstrap", swarm["bootstrap"], "--wan-mbit", "2")
-    (victim, victim_ready), (other, other_ready) = start_daemon(state, "victim", *slow), start_daemon(state, "other", *slow)
+    net = swarm["net"]
+    slow = ("--store", str(store), "--blocks", "0:8", "--bootstrap", swarm["bootstrap"], "--wan-mbit", "2", "--threads", "1")
+    victim, other = net.spawn("victim", *slow), net.spawn("other", *slow)  # both start at once
     try:
-        victim_id = wait_ready(victim_ready, victim, 120)["peer_id"]
-        other_id = wait_ready(other_ready, other, 120)["peer_id"]
+        victim_id = net.ready(victim)["peer_id"]
+        other_id = net.ready(other)["peer_id"]
         killed: list[tuple[str, int]] = []
         first_file: list[str] = []
 
@@ -338,29 +318,6 @@ def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swar
     assert fetched.verify(only=SPAN_FILES) == []
 
 
-def _frame(body: dict) -> bytes:
-    raw = msgpack.packb(body, use_bin_type=True)
-    return len(raw).to_bytes(4, "big") + raw
-
-
-async def exchange(node, peer: dict, data: bytes, replies: int | None = None, timeout: float = 20) -> list:
-    """Write raw bytes on a fresh shard stream; the frames answered (all until the peer closes, or `replies`)."""
-    stream = await node.open_raw(peer["peer_id"], peer["addrs"], SHARD_PROTOCOL)
-    decoder, got = FrameDecoder(), []
-    with trio.move_on_after(timeout):
-        await stream.write(data)
-        while replies is None or len(got) < replies:
-            try:
-                chunk = await stream.read(65536)
-            except Exception:
-                break
-            if not chunk:
-                break
-            got.extend(decoder.feed(chunk))
-    await stream.reset()
-    return got
-
-
 def test_hostile_requests_get_clear_errors_and_the_peer_keeps_serving(swarm: dict, tiny8: Path) -> None:
     peer = swarm["seeder"]
     store = Store(tiny8 / "store")
@@ -383,20 +340,20 @@ def test_hostile_requests_get_clear_errors_and_the_peer_keeps_serving(swarm: dic
                 GetManifest("someone-elses-model"),
                 GetFile(sha_of["layer"], 100, 50, 20),
             ]
-            got = await exchange(node, peer, b"".join(encode(m) for m in one_stream), replies=6 + 3 + 1)
+            got = await raw_exchange(node, peer, SHARD_PROTOCOL, b"".join(encode(m) for m in one_stream), replies=6 + 3 + 1)
             outcomes["one stream"] = got
             traversal = {**GetFile(sha_of["layer"], 0, 1).to_wire(), "sha256": "../../secret.bin"}
             huge = {**GetFile(sha_of["layer"], 0, 1).to_wire(), "length": 2**60}
             for label, data in {"garbage": os.urandom(300), "4 GiB header": b"\xff\xff\xff\xff" + b"x" * 8,
-                                "path as a hash": _frame(traversal), "huge length": _frame(huge),
+                                "path as a hash": raw_frame(traversal), "huge length": raw_frame(huge),
                                 "not a request": encode(Ping(7))}.items():
-                outcomes[label] = await exchange(node, peer, data)
-            flood = await exchange(node, peer, encode(GetManifest(MODEL)) * 80, replies=80)
+                outcomes[label] = await raw_exchange(node, peer, SHARD_PROTOCOL, data)
+            flood = await raw_exchange(node, peer, SHARD_PROTOCOL, encode(GetManifest(MODEL)) * 80, replies=80)
             outcomes["flood"] = flood
             await trio.sleep(2.5)  # the flood emptied this peer's request bucket; it refills at 20 requests/s
             records = await fetch_records(node, MODEL, LAYERS)
             assert {r.manifest_sha256 for r in records if r.peer_id == peer["peer_id"]} == {swarm["sha"]}
-            good = await exchange(node, peer, encode(GetFile(sha_of["layer"], 0, size)), replies=2)
+            good = await raw_exchange(node, peer, SHARD_PROTOCOL, encode(GetFile(sha_of["layer"], 0, size)), replies=2)
             outcomes["good"] = good
 
     trio.run(main)
@@ -419,7 +376,7 @@ def test_hostile_requests_get_clear_errors_and_the_peer_keeps_serving(swarm: dic
     good = outcomes["good"]
     assert b"".join(m.data for m in good if isinstance(m, FileChunk)) == layer.read_bytes()
     assert isinstance(good[-1], FileEnd) and good[-1].end == size, good
-    assert pid_alive(swarm["seeder_pid"])
+    assert pid_alive(peer["pid"])
 
 
 def test_store_inspect_prints_the_trust_root(tiny8: Path, tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         return 2
     try:
         trio.run(run_daemon, cfg)
-    except (ValueError, StoreError, FetchError) as exc:
+    except (ValueError, StoreError, FetchError, OSError) as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
     return 0

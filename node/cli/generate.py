@@ -128,15 +128,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.federated and args.mode == "ar":
         return fail("--federated drafts by design; use --mode sd or dsd")
+    if args.blocks and args.federated:
+        return fail("--blocks serves layers for a route of block peers; federated workers hold whole models")
+    try:
+        place = resolve_placement(args.device, args.dtype)  # a device not there: one line, before any fetch or load
+    except StoreError as exc:
+        return fail(str(exc))
     if args.model:  # fetch the head's files (and --blocks' layers; the whole model when it is the federated draft)
         args.store = fetched_store(args, "all" if args.federated and not args.draft else args.blocks)
     draft = args.draft or (str(args.store) if args.federated else "ngram")
     if args.tree_nodes and args.mode != "ar" and "ngram" in draft.split("+"):
         return fail("--tree-nodes N needs a draft model store without ngram; use auto or 0")
-    if args.blocks and args.federated:
-        return fail("--blocks serves layers for a route of block peers; federated workers hold whole models")
     try:
-        place = resolve_placement(args.device, args.dtype)  # one line and no loading when the device is not there
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated,
                                            quant=args.draft_quant, device=place.device, dtype=place.dtype)
@@ -172,6 +175,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({**exc.report, "tokens": exc.tokens, "text": text_of(exc.tokens), "error": str(exc)}))
         return 1
+    except ConnectionError as exc:  # no bootstrap peer reachable
+        return fail(str(exc), 1)
     report["text"] = text_of(report["tokens"])
     report.update(device=str(place.device), dtype=place.dtype_name)
     if args.json:

@@ -17,13 +17,16 @@ from dsd.node.service.defaults import (
 )
 
 from .generate import _tree_nodes
-from .options import add_wan_options, fail, link_profile
+from .options import add_device_options, add_wan_options, fail, link_profile
+from .store import add_fetch_options, fetched_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming), a live swarm page at / and /metrics")
     p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
-    p.add_argument("--store", type=Path, required=True, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--store", type=Path, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
+    target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")
     p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="drafter, loaded once and shared by every request (default ngram: model-free prompt lookup)")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
@@ -31,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY)")
     p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip (default 8)")
     p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="token-tree window budget (default auto; 0 = chains); trees need a draft model store")
+    p.add_argument("--blocks", default=None, metavar="A:B", help="layers the head serves itself, the model's first (0:B) or last (A:L) ones, from its store (which must hold those layer files): every route covers the others, one peer and one link crossing fewer")
+    p.add_argument("--federated", action="store_true", help="not in serve: it verifies over a route of block peers; for federated workers (whole models) use `dsd-node generate --federated`")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT}; 0 = any free port, see --ready-file)")
     p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N", help=f"generations running at once (default {DEFAULT_MAX_CONCURRENT}; block peers admit 8 sessions per head by default)")
@@ -42,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--identity", type=Path, default=None, help="the head's key file (default: a new identity each start)")
     p.add_argument("--ready-file", type=Path, default=None, help="write {url, model, peer_id, pid} as JSON here once listening")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
+    add_device_options(p)
     add_wan_options(p)
+    add_fetch_options(p, model_help=None)
     d = p.add_argument_group("failure detection (docs/failures.md)")
     d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds (default {DeadlineRule.k:g})")
     d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
@@ -56,7 +63,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dsd.node.service.head import HeadOptions
     from dsd.node.service.serve import ServeConfig, read_api_key, serve_until_signal
     from dsd.shard_store import StoreError
+    from dsd.shard_store.devices import resolve_placement
 
+    if args.federated:
+        return fail("serve verifies over a route of block peers; federated workers (whole models) are not served "
+                    "by it yet: use `dsd-node generate --federated`")
+    try:
+        place = resolve_placement(args.device, args.dtype)  # one line and no loading when the device is not there
+    except StoreError as exc:
+        return fail(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.max_concurrent < 1 or args.queue < 0 or not 0 <= args.port <= 65535:
@@ -67,8 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key = read_api_key(args.api_key) if args.api_key else None
     except (OSError, ValueError) as exc:
         return fail(f"--api-key: {exc}")
+    if args.model:  # fetch the head's files (and --blocks' layers) before anything loads
+        args.store = fetched_store(args, args.blocks)
     head = HeadOptions(
-        store=args.store, draft=args.draft, draft_quant=args.draft_quant, mode=args.mode, branches=args.branches,
+        store=args.store, draft=args.draft, blocks=args.blocks, placement=place, draft_quant=args.draft_quant,
+        mode=args.mode, branches=args.branches,
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
         deadline=DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap),
         max_context=args.max_context, default_max_tokens=args.max_tokens_default,

@@ -41,6 +41,7 @@ from dsd.node.server.ledger import (
     receive_within,
     watch_upstream,
 )
+from dsd.node.server.metrics import PeerMetrics, timed
 from dsd.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -125,6 +126,7 @@ class FederatedWorker:
         limits: ServerLimits | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         if prob_codec not in PROB_CODECS:
             raise ValueError(f"prob_codec must be one of {PROB_CODECS}, got {prob_codec!r}")
@@ -145,6 +147,10 @@ class FederatedWorker:
         self.windows_served = 0
         self.throughput = 1.0
         self._compute = trio.CapacityLimiter(1)
+        self.metrics = metrics or PeerMetrics()  # counted like a block peer's (`start --metrics-port`)
+        self.metrics.watch_sessions(open_=lambda: len(self.ledger), reserved=lambda: self.ledger.reserved_tokens,
+                                    used=lambda: sum(s.cache.length for s in self.sessions.values()),
+                                    budget=self.limits.kv_budget_tokens)
 
     @property
     def cache_tokens_left(self) -> int:
@@ -188,6 +194,7 @@ class FederatedWorker:
         """Handle one `/dsd/federated/1` stream: optional Hello, then one session until close or error."""
         session: WorkerSession | None = None
         me = self.node.peer_id
+        self.metrics.track(stream)
         try:
             with trio.fail_after(self.limits.open_timeout_s):
                 first = await stream.receive()
@@ -196,24 +203,35 @@ class FederatedWorker:
                     first = await stream.receive()
             if not isinstance(first, OpenSession):
                 raise SessionError("bad_request", f"a session must start with OpenSession, got {type(first).__name__}")
-            session = self._open(first, remote)
+            try:
+                session = self._open(first, remote)
+            except SessionError as exc:
+                log.info("refused federated session %s from %s: %s", first.session, remote, exc.message)
+                self.metrics.refused(exc.code)
+                await send_quietly(stream, Error(exc.code, exc.message, first.session, me))
+                return
+            self.metrics.sessions_opened.inc()
             log.info("federated session %s open from %s (max_len %d)", session.id, remote, session.max_len)
             await stream.send(Ack(session.id, 0))
             await self._watched_loop(session, stream, remote)
         except (SessionError, SessionRuleError) as exc:
             log.info("federated stream from %s ended with error: %s", remote, exc.message)
+            self.metrics.error(exc.code)
             await send_quietly(stream, Error(exc.code, exc.message, session.id if session else None, me))
         except (trio.TooSlowError, EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("federated stream from %s gone: %r", remote, exc)
             if isinstance(exc, ProtocolError):
+                self.metrics.error("bad_frame")
                 await send_quietly(stream, Error("bad_frame", str(exc), session.id if session else None, me))
         except Exception as exc:
             log.exception("federated session from %s failed", remote)
+            self.metrics.error("internal")
             await send_quietly(stream, Error("internal", f"{type(exc).__name__}: {exc}", session.id if session else None, me))
         finally:
             if session is not None:
                 self._release(session)
             await close_quietly(stream)
+            self.metrics.untrack(stream)
 
     def _open(self, msg: OpenSession, remote: str) -> WorkerSession:
         if msg.model not in (self.model_id, pool_key(self.vocab_size)):
@@ -287,11 +305,13 @@ class FederatedWorker:
             raise SessionError("bad_request", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         rows = msg.rows or n
         k = min(msg.top_k, self.topk_cap)
-        ids, p, _ = await trio.to_thread.run_sync(
-            lambda: window_topk(self.head, self.span, session.cache, msg.tokens, msg.start, rows=rows, top_k=k,
-                                temperature=msg.temperature, top_p=msg.top_p, parents=msg.parents),
+        (ids, p, _), seconds = await trio.to_thread.run_sync(
+            lambda: timed(lambda: window_topk(self.head, self.span, session.cache, msg.tokens, msg.start, rows=rows,
+                                              top_k=k, temperature=msg.temperature, top_p=msg.top_p,
+                                              parents=msg.parents)),
             limiter=self._compute,
         )
+        self.metrics.observe_forward(n, seconds)
         session.windows += 1
         self.windows_served += 1
         return TopKResult.build(session.id, msg.epoch, msg.start + n - rows, ids, p, prob_codec=self.prob_codec)

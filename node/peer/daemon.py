@@ -31,14 +31,15 @@ from dsd.node.fetch.progress import fetch_progress
 from dsd.node.fetch.serve import ShardServer, announce_manifest
 from dsd.node.server.block import BlockServer
 from dsd.node.server.ledger import ServerLimits
+from dsd.node.server.metrics import PeerMetrics
 from dsd.protocol import WireFormat
 from dsd.protocol.ids import FEDERATED_PROTOCOL, SHARD_PROTOCOL
-from dsd.shard_store import Store
+from dsd.shard_store import Store, StoreError
 from dsd.shard_store.devices import Placement, free_memory_bytes, resolve_placement
 from dsd.shard_store.files import atomic_write_bytes
 from dsd.shard_store.memory import GIB, layers_that_fit, span_memory
 
-from .host import open_peer
+from .host import Peer, open_peer
 from .metrics_http import DEFAULT_METRICS_HOST, serve_metrics
 from .shaper import LinkProfile
 
@@ -149,12 +150,15 @@ def plan_layers(cfg: DaemonConfig, store: Store, placement: Placement) -> int:
     return want
 
 
-async def _load_worker(cfg: DaemonConfig, node: P2PNode, store: Store, placement: Placement, info: dict) -> Announcer:
-    """Serve the whole model as a federated worker on `/dsd/federated/1`; returns its announcer."""
+async def _load_worker(
+    cfg: DaemonConfig, node: P2PNode, store: Store, placement: Placement, info: dict, metrics: PeerMetrics
+) -> Announcer:
+    """Serve the whole model as a federated worker on `/dsd/federated/1`, counting in the peer's `metrics`;
+    returns its announcer."""
     t0 = time.perf_counter()
     worker = await trio.to_thread.run_sync(
         lambda: FederatedWorker(node, store, topk_cap=cfg.topk_cap, prob_codec=cfg.topk_codec, limits=cfg.limits,
-                                device=placement.device, dtype=placement.dtype)
+                                device=placement.device, dtype=placement.dtype, metrics=metrics)
     )
     log.info("loaded %s as a federated worker in %.1f s", worker.model_id, time.perf_counter() - t0)
     throughput = await worker.measure_throughput()
@@ -234,44 +238,74 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     key_pair = load_or_create_identity(cfg.identity)
+    failure: Exception | None = None
     async with open_peer(
         key_pair, cfg.bootstrap, cfg.link, listen=cfg.listen, seed=cfg.seed, allow_peers=cfg.allow_peers
     ) as peer, trio.open_nursery() as nursery:
-        node = peer.node
-        info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid()}
-        if fetched is not None:
-            info["fetch"] = fetched
-        server: BlockServer | None = None
-        announcer: Announcer | None = None
-        if store is not None and placement is not None and cfg.federated:
-            announcer = await _load_worker(cfg, node, store, placement, info)
-        elif store is not None and placement is not None:
-            server = peer.dispatcher.server = await _load_blocks(cfg, node, store, placement, want, info)
-            peer.dispatcher.metrics = server.metrics  # one registry: the dispatcher's counts and the server's
-            announcer = Announcer(node, server.records, ttl_s=cfg.record_ttl_s)
-        if store is not None:  # a peer serving a store serves its files by hash, and announces its manifest's
-            verified = [] if fetched is None else fetched["fetched_files"] + fetched["kept_files"]
-            node.set_handler(SHARD_PROTOCOL, ShardServer(store, verified=verified))
-            if announcer is not None:
-                announcer.record_fn = announce_manifest(announcer.record_fn, manifest_sha256(store.path))
+        try:
+            info, server, announcer = await _start_serving(cfg, peer, nursery, store, placement, want, fetched)
+        except (OSError, ValueError, StoreError) as exc:  # raised below, outside the peer's nurseries (not as a group)
+            failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is None:
+            await _serve_until_signal(cfg, peer.node, info, server, announcer, task_status)
+            nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+async def _start_serving(
+    cfg: DaemonConfig, peer: Peer, nursery: trio.Nursery, store: Store | None, placement: Placement | None, want: int,
+    fetched: dict | None,
+) -> tuple[dict, BlockServer | None, Announcer | None]:
+    """Load what this peer serves, start announcing it and the metrics endpoint in `nursery`: the ready info,
+    the block server and the announcer (None for what this peer does not run). A span that does not fit
+    (ValueError), a store that cannot load (StoreError) or a metrics port that cannot be bound (OSError) fail."""
+    node = peer.node
+    info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid()}
+    if fetched is not None:
+        info["fetch"] = fetched
+    server: BlockServer | None = None
+    announcer: Announcer | None = None
+    if store is not None and placement is not None and cfg.federated:
+        announcer = await _load_worker(cfg, node, store, placement, info, peer.dispatcher.metrics)
+    elif store is not None and placement is not None:
+        server = peer.dispatcher.server = await _load_blocks(cfg, node, store, placement, want, info)
+        peer.dispatcher.metrics = server.metrics  # one registry: the dispatcher's counts and the server's
+        announcer = Announcer(node, server.records, ttl_s=cfg.record_ttl_s)
+    if store is not None:  # a peer serving a store serves its files by hash, and announces its manifest's
+        verified = [] if fetched is None else fetched["fetched_files"] + fetched["kept_files"]
+        node.set_handler(SHARD_PROTOCOL, ShardServer(store, verified=verified))
         if announcer is not None:
-            await nursery.start(announcer.run)
-        if cfg.metrics_port is not None:
+            announcer.record_fn = announce_manifest(announcer.record_fn, manifest_sha256(store.path))
+    if cfg.metrics_port is not None:  # before announcing: a port in use ends the start before anyone is told
+        try:
             info["metrics_url"] = await nursery.start(serve_metrics, peer.dispatcher.metrics, cfg.metrics_host,
                                                       cfg.metrics_port)
-        print(f"dsd-node {node.peer_id} listening on {' '.join(node.addrs)}", flush=True)
-        if cfg.ready_file:
-            atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())
-        task_status.started(info)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.warning("received %s: shutting down", signal.Signals(signum).name)
-                break
-        # Stop announcing first so heads re-plan around us, then end sessions with an error frame.
-        if announcer is not None:
-            with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
-                await announcer.stop()
-        if server is not None:
-            await server.shutdown(SHUTDOWN_DEADLINE_S / 2)
-        log.warning("shut down cleanly")
-        nursery.cancel_scope.cancel()
+        except OSError as exc:
+            raise OSError(f"--metrics-port {cfg.metrics_port}: {exc}") from None
+    if announcer is not None:
+        await nursery.start(announcer.run)
+    return info, server, announcer
+
+
+async def _serve_until_signal(
+    cfg: DaemonConfig, node: P2PNode, info: dict, server: BlockServer | None, announcer: Announcer | None,
+    task_status: trio.TaskStatus[dict],
+) -> None:
+    """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and end the sessions."""
+    print(f"dsd-node {node.peer_id} listening on {' '.join(node.addrs)}", flush=True)
+    if cfg.ready_file:
+        atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())
+    task_status.started(info)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.warning("received %s: shutting down", signal.Signals(signum).name)
+            break
+    # Stop announcing first so heads re-plan around us, then end sessions with an error frame.
+    if announcer is not None:
+        with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
+            await announcer.stop()
+    if server is not None:
+        await server.shutdown(SHUTDOWN_DEADLINE_S / 2)
+    log.warning("shut down cleanly")

@@ -13,13 +13,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import load_or_create_identity
 from dsd.discovery.ping import install_ping_handler
+from dsd.discovery.tasks import owned_nursery
 from dsd.node.route.legs import ReturnLegs
 from dsd.protocol.ids import INFER_PROTOCOL
 
@@ -48,11 +48,14 @@ async def open_peer(
     seed: int | None = None,
     allow_peers: set[str] | None = None,
 ) -> AsyncIterator[Peer]:
-    """Start the shaper and the libp2p node, install ping and the infer dispatcher; stop both on exit."""
+    """Start the shaper and the libp2p node, install ping and the infer dispatcher; stop both on exit.
+
+    A failure to start (no bootstrap peer reachable, say) and an error of the `async with` block come
+    out as themselves, not wrapped in an exception group, so callers catch them by type."""
     shaper = LinkShaper(link or LinkProfile(), seed=seed)
     legs = ReturnLegs()
     dispatcher = InferDispatcher(None, legs)
-    async with trio.open_nursery() as nursery:
+    async with owned_nursery() as nursery:
         await nursery.start(shaper.run)
         async with P2PNode(
             key_pair, list(listen or DEFAULT_LISTEN), bootstrap, stream_wrapper=shaper.wrap, allow_peers=allow_peers

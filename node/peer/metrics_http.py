@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from dsd.discovery.tasks import owned_nursery
 from dsd.node.server.metrics import PeerMetrics
 
 from .http import serve_http
@@ -34,7 +35,8 @@ def metrics_app(metrics: PeerMetrics) -> Starlette:
 
 async def serve_metrics(metrics: PeerMetrics, host: str, port: int, *,
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `metrics` on `host:port` until cancelled; `task_status.started` gets the URL of `/metrics`."""
-    async with trio.open_nursery() as nursery:
+    """Serve `metrics` on `host:port` until cancelled; `task_status.started` gets the URL of `/metrics`.
+    A port that cannot be bound is one plain OSError naming it, before `started`."""
+    async with owned_nursery() as nursery:  # a failure to start comes out as itself
         url = await nursery.start(functools.partial(serve_http, metrics_app(metrics), host, port, graceful_s=1.0))
         task_status.started(f"{url}/metrics")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from dsd.discovery.host import P2PNode
 from dsd.discovery.planner import NoRouteError, remote_blocks
@@ -24,6 +25,16 @@ log = logging.getLogger(__name__)
 def plan_hops(plan) -> list[Hop]:
     """The planner's hops as protocol hops (peer, addresses, the span each serves for us)."""
     return list(plan.protocol_hops())
+
+
+def ring_hops(hops: Iterable[Any], head_peer_id: str, local: tuple[int, int] | None) -> list[dict[str, Any]]:
+    """Every hop of the ring in order, as {peer_id, start, end, local}: the route's hops (anything with
+    those attributes) and the head's own span `local` (the model's first layers or its last), if any."""
+    out = [{"peer_id": h.peer_id, "start": h.start, "end": h.end, "local": False} for h in hops]
+    if local is not None:
+        mine = {"peer_id": head_peer_id, "start": local[0], "end": local[1], "local": True}
+        out.insert(0 if local[0] == 0 else len(out), mine)
+    return out
 
 
 class GenerationFailed(Exception):
@@ -59,7 +70,8 @@ async def generate_once(
     max_len = len(prompt) + cfg.max_new_tokens + cfg.max_window_nodes + 2  # a tree window's nodes all take KV rows
     if wire is None and setup.head is not None:  # the head's compute dtype, carried exactly (half the bytes in bf16/fp16)
         wire = WireFormat("auto").for_dtype(dtype_name(setup.head.dtype))
-    blocks = None if local_span is None else remote_blocks((local_span.start, local_span.end), setup.num_layers)
+    local = None if local_span is None else (local_span.start, local_span.end)
+    blocks = None if local is None else remote_blocks(local, setup.num_layers)
     async with open_route_keeper(
         node, legs, hops=hops, model=setup.model_id, num_layers=setup.num_layers, max_len=max_len, wire=wire,
         blacklist=blacklist, deadline=cfg.deadline, blocks=blocks,
@@ -67,20 +79,12 @@ async def generate_once(
         backend = RouteBackend(setup.head, keeper, timeout_s=cfg.result_timeout_s, local=local_span)
         engine = HeadEngine(backend, setup.drafter, cfg, tokenizer=tokenizer)
 
-        def ring(s) -> list[dict]:
-            """Every hop of the ring in order: the head's own span (first or last) and the block peers."""
-            out = [{"peer_id": h.peer_id, "start": h.start, "end": h.end, "local": False} for h in s.hops]
-            if local_span is not None:
-                mine = {"peer_id": node.peer_id, "start": local_span.start, "end": local_span.end, "local": True}
-                out.insert(0 if local_span.start == 0 else len(out), mine)
-            return out
-
         def traffic() -> dict:
             s = keeper.session
             return {
                 "route": [h.peer_id for h in s.hops] if s else [],
                 "spans": [[h.start, h.end] for h in s.hops] if s else [],
-                "hops": ring(s) if s else [],
+                "hops": ring_hops(s.hops, node.peer_id, local) if s else [],
                 "bytes_sent": keeper.bytes_sent,
                 "bytes_received": keeper.bytes_received,
                 "head_compute_s": round(backend.head_compute_s, 4),

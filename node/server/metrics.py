@@ -1,8 +1,8 @@
 """A serving peer's Prometheus metrics: its sessions, windows, bytes, KV tokens and the errors it answered.
 
-The rooms where things happen count here: the block server (sessions opened and refused,
-forward step times, KV tokens, errors of a session) and the infer dispatcher (bad openings,
-the bytes of every incoming stream). The peer layer serves the registry over HTTP
+The rooms where things happen count here: the block server or the federated worker (sessions
+opened and refused, forward step times, KV tokens, errors of a session, a worker's stream bytes)
+and the infer dispatcher (bad openings, the bytes of every incoming stream). The peer layer serves the registry over HTTP
 (`dsd.node.peer.metrics_http`). One registry per peer, so several peers can share a process;
 no prometheus_client thread: gauges and byte totals are read from the live objects when
 scraped, so counting costs nothing between scrapes.
@@ -53,8 +53,8 @@ class _StreamBytes:
         self.sent = 0
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("dsd_peer_bytes", "Bytes of /dsd/infer/1 streams (frame headers included), "
-                                     "by direction", labels=["direction"])
+        family = CounterMetricFamily("dsd_peer_bytes", "Bytes of session streams (/dsd/infer/1, /dsd/federated/1; "
+                                     "frame headers included), by direction", labels=["direction"])
         family.add_metric(["in"], self.received + sum(s.bytes_received for s in self.open))
         family.add_metric(["out"], self.sent + sum(s.bytes_sent for s in self.open))
         yield family
@@ -71,7 +71,7 @@ class PeerMetrics:
         self.errors = Counter("dsd_peer_errors", "Error frames this peer answered (refusals, bad frames, "
                               "sessions ended by an error), by code", ["code"], registry=r)
         self.forward = Histogram("dsd_peer_forward_step_seconds", "Compute time of one window through this "
-                                 "peer's span, by window size (positions)", ["window"], buckets=STEP_BUCKETS,
+                                 "peer's span (a worker's whole model), by window size (positions)", ["window"], buckets=STEP_BUCKETS,
                                  registry=r)
         self.sessions_open = Gauge("dsd_peer_sessions_open", "Sessions holding a place on this peer", registry=r)
         self.kv_reserved = Gauge("dsd_peer_kv_tokens_reserved", "KV cache tokens reserved by open sessions "

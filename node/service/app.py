@@ -30,6 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from dsd.node.route.generate import ring_hops
+
 from .admission import Busy
 from .openai_wire import (
     SSE_DONE,
@@ -120,10 +122,11 @@ async def list_models(request: Request) -> Response:
         peers = [{"peer_id": r.peer_id, "start": r.start, "end": r.end,
                   "rtt_ms": None if view.rtts.get(r.peer_id) is None else round(view.rtts[r.peer_id] * 1000, 3)}
                  for r in sorted(view.records, key=lambda r: (r.start, r.end, r.peer_id))]
-        route = [{"peer_id": h.peer_id, "start": h.start, "end": h.end} for h in view.plan.hops]
+        route = ring_hops(view.plan.hops, state.node.peer_id, head.local_blocks)
         models.append({"id": head.model_id, "created": head.created, "owned_by": "dsd", "dsd": {
             "num_layers": head.num_layers, "context_length": head.context_limit, "mode": head.options.mode,
             "peers": peers, "spans": [[p["start"], p["end"]] for p in peers], "route": route,
+            "local_blocks": list(head.local_blocks) if head.local_blocks else None,
             "est_round_ms": round(view.plan.est_round_s * 1000, 3), "surveyed": round(state.swarm.surveyed_unix, 3),
         }})
     state.metrics.requests.labels(endpoint="models", status="200").inc()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsd.discovery.planner import remote_blocks
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.deadline import DeadlineRule
 from dsd.node.head.sampling import SamplingParams
@@ -27,8 +28,11 @@ from dsd.node.head.setup import (
     load_head_setup,
     request_drafter,
 )
+from dsd.node.peer.head import load_head_span
 from dsd.node.server.ledger import ServerLimits
-from dsd.shard_store import Store
+from dsd.shard_store import SpanModule, Store
+from dsd.shard_store.devices import Placement
+from dsd.shard_store.dtypes import dtype_name
 
 from .defaults import DEFAULT_MAX_TOKENS
 from .openai_wire import CompletionRequest, WireError, bad_param, context_error
@@ -42,6 +46,8 @@ class HeadOptions:
 
     store: Path
     draft: str = "ngram"
+    blocks: str | None = None  # layers the head serves itself (`--blocks A:B`: the model's first or last ones)
+    placement: Placement | None = None  # device and compute dtype (None: the CPU, the stores' dtypes)
     draft_quant: str = "none"
     mode: str = "dsd"
     branches: int = 8
@@ -65,8 +71,10 @@ class Plan:
 class ServedHead:
     """The head, the tokenizer and the drafter, loaded once and shared by every request."""
 
-    def __init__(self, setup: HeadSetup, tokenizer: Any, store: Store, options: HeadOptions) -> None:
+    def __init__(self, setup: HeadSetup, tokenizer: Any, store: Store, options: HeadOptions,
+                 local_span: SpanModule | None = None) -> None:
         self.setup = setup
+        self.local_span = local_span
         self.tokenizer = tokenizer
         self.options = options
         self.model_id = setup.model_id
@@ -76,15 +84,25 @@ class ServedHead:
         limit = int(positions) if isinstance(positions, int) and positions > 0 else ServerLimits().max_len
         self.context_limit = options.max_context or min(limit, ServerLimits().max_len)
         self.created = int(time.time())
+        # The head's own layers (`--blocks`), and those every route must cover: all of them, or the rest.
+        self.local_blocks = None if local_span is None else (local_span.start, local_span.end)
+        self.routed_blocks = None if self.local_blocks is None else remote_blocks(self.local_blocks, self.num_layers)
+        self.device = str(setup.head.device)
+        self.dtype = dtype_name(setup.head.dtype)
 
     @classmethod
     def load(cls, options: HeadOptions) -> ServedHead:
-        """Load the target's ends, tokenizer and draft (slow: run it in a worker thread)."""
+        """Load the target's ends, tokenizer, draft and `--blocks` span onto the device (slow: run it in a worker
+        thread). ValueError or StoreError saying what is wrong."""
         if options.tree_nodes and options.mode != "ar" and "ngram" in options.draft.split("+"):
             raise ValueError("--tree-nodes N needs a draft model store without ngram; use auto or 0")
         store = Store(options.store)
-        setup, tokenizer = load_head_setup(options.store, options.draft, SamplingParams(), 0, quant=options.draft_quant)
-        return cls(setup, tokenizer, store, options)
+        place = options.placement
+        device, dtype = (place.device, place.dtype) if place is not None else (None, None)
+        local_span = load_head_span(store, options.blocks, device=device, dtype=dtype) if options.blocks else None
+        setup, tokenizer = load_head_setup(options.store, options.draft, SamplingParams(), 0, quant=options.draft_quant,
+                                           device=device, dtype=dtype)
+        return cls(setup, tokenizer, store, options, local_span)
 
     @property
     def chat_ready(self) -> bool:

@@ -127,6 +127,7 @@ def dsd_stats(report: dict[str, Any], job: Job) -> dict[str, Any]:
         "ready_share": report.get("ready_share", 0.0),
         "route": report.get("route", []),
         "spans": report.get("spans", []),
+        "hops": report.get("hops", []),
         "failovers": report.get("failovers", 0),
         "elapsed_s": report.get("elapsed_s", 0.0),
         "tokens_per_s": report.get("tokens_per_s", 0.0),
@@ -142,7 +143,7 @@ async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int
     for attempt in (1, 2):
         try:
             return await generate_on(state.node, state.legs, head.setup_for(cfg), job.plan.prompt, cfg, hops=hops,
-                                     tokenizer=head.tokenizer, on_tokens=on_tokens)
+                                     tokenizer=head.tokenizer, on_tokens=on_tokens, local_span=head.local_span)
         except GenerationFailed as exc:
             if isinstance(exc.cause, NoRouteError):
                 state.metrics.failures.labels(cause="no_route").inc()

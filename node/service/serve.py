@@ -88,23 +88,28 @@ async def run_service(
     carries the real port when `port` is 0); `extra_routes(state)` adds routes to the app.
     """
     head = await trio.to_thread.run_sync(ServedHead.load, cfg.head)
-    log.info("loaded the head of %s (%d layers, context %d, draft %s, mode %s)", head.model_id, head.num_layers,
-             head.context_limit, cfg.head.draft, cfg.head.mode)
+    log.info("loaded the head of %s (%d layers, context %d, draft %s, mode %s) on %s %s%s", head.model_id,
+             head.num_layers, head.context_limit, cfg.head.draft, cfg.head.mode, head.device, head.dtype,
+             "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
     shutdown = trio.Event() if shutdown is None else shutdown
+    # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group
     async with head_node(cfg.bootstrap, cfg.link, identity=cfg.identity, seed=cfg.seed) as (node, legs):
-        async with trio.open_nursery() as nursery:
+        async with owned_nursery() as nursery:
             admission = Admission(cfg.max_concurrent, cfg.queue)
             metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting)
-            swarm = SwarmWatch(node, head.model_id, head.num_layers, metrics, refresh_s=cfg.refresh_s)
+            swarm = SwarmWatch(node, head.model_id, head.num_layers, metrics, refresh_s=cfg.refresh_s,
+                               blocks=head.routed_blocks)
             await nursery.start(swarm.run)
             state = ServiceState(head=head, node=node, legs=legs, swarm=swarm, admission=admission, metrics=metrics,
                                  api_key=cfg.api_key)
             app = build_app(state, extra_routes(state) if extra_routes else ())
-            async with trio.open_nursery() as http:  # returns when hypercorn does: after shutdown + graceful_s
+            async with owned_nursery() as http:  # returns when hypercorn does: after shutdown + graceful_s
                 url = await http.start(functools.partial(serve_http, app, cfg.host, cfg.port,
                                                          shutdown_trigger=shutdown.wait, graceful_s=cfg.graceful_s))
                 info = {"url": url, "model": head.model_id, "peer_id": node.peer_id, "pid": os.getpid(),
-                        "max_concurrent": cfg.max_concurrent, "queue": cfg.queue}
+                        "max_concurrent": cfg.max_concurrent, "queue": cfg.queue, "device": head.device,
+                        "dtype": head.dtype, "store": str(cfg.head.store),
+                        "blocks": list(head.local_blocks) if head.local_blocks else None}
                 print(f"dsd-node serve: {head.model_id} on {url}/v1 (head peer {node.peer_id})", flush=True)
                 if cfg.ready_file:
                     atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())

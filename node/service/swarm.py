@@ -4,7 +4,8 @@ Refreshed in the background every `refresh_s`, and on demand (a request that fin
 a route that failed): requests start on the last planned route instead of surveying each
 time, so the time to the first token does not pay for a survey. Refreshes are coalesced: a
 caller that asks while one runs gets its result. The swarm page reads `view` as well, and
-`last_alive`: the peers seen answering, so one that vanished is shown dead for a while.
+`last_alive`: the peers seen answering, so one that vanished is shown dead for a while. A head
+that serves layers itself (`serve --blocks`) surveys routes over the other layers only (`blocks`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ class SwarmWatch:
     """The last `SwarmView` of `model` and when it was taken."""
 
     def __init__(self, node: P2PNode, model: str, num_layers: int, metrics: ServiceMetrics, *,
-                 refresh_s: float = 15.0, survey_timeout_s: float = 30.0) -> None:
+                 refresh_s: float = 15.0, survey_timeout_s: float = 30.0,
+                 blocks: tuple[int, int] | None = None) -> None:
         self.node = node
         self.model = model
         self.num_layers = num_layers
+        self.blocks = blocks  # the layers a route must cover (None: every layer)
         self.metrics = metrics
         self.refresh_s = refresh_s
         self.survey_timeout_s = survey_timeout_s
@@ -57,7 +60,8 @@ class SwarmWatch:
         """Why there is no route: the last survey's error (every block is missing before the first)."""
         if self.view is not None and self.view.error is not None:
             return self.view.error
-        return NoRouteError(list(range(self.num_layers)), self.num_layers)
+        first, last = self.blocks or (0, self.num_layers)
+        return NoRouteError(list(range(first, last)), self.num_layers)
 
     async def refresh(self, max_age_s: float = 0.0) -> SwarmView:
         """A view at most `max_age_s` old: the last one, or a new survey (one at a time)."""
@@ -66,7 +70,7 @@ class SwarmWatch:
             if self.view is not None and self.surveyed_at >= asked - max_age_s:
                 return self.view
             with trio.fail_after(self.survey_timeout_s):
-                view = await survey(self.node, self.model, self.num_layers)
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks)
             before = self.view
             self.view, self.surveyed_at, self.surveyed_unix = view, trio.current_time(), time.time()
             self._remember(view)

@@ -3,9 +3,10 @@
 The JSON is the last survey (`SwarmView.report`, as `dsd-node route --json` prints it) shaped
 for the page: every peer with a short id and alive/dead (a peer that answered an earlier
 survey but not the last one stays listed as dead for `DEAD_KEPT_S`), the coverage of each
-layer, the current route, the last requests' speculative-decoding statistics and the service's
-load. Both routes are public, like `/metrics`: they show no prompts, texts or keys. Nothing here
-surveys: the page shows what the background survey found.
+layer, the current route (the whole ring: a head that serves layers itself, `serve --blocks`,
+is a hop marked `local`, and counts in the coverage), the last requests' speculative-decoding
+statistics and the service's load. Both routes are public, like `/metrics`: they show no
+prompts, texts or keys. Nothing here surveys: the page shows what the background survey found.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from dsd.node.head.setup import parse_draft
+from dsd.node.route.generate import ring_hops
 
 from .runner import RequestRecord, ServiceState
 
@@ -76,11 +78,18 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
         report = watch.view.report(watch.model, watch.num_layers)
     else:
         report = {"peers": [], "coverage": [0] * watch.num_layers, "route": None,
-                  "missing_blocks": list(range(watch.num_layers)), "error": "the swarm has not been surveyed yet"}
-    route = report["route"]
-    if route is not None:
-        route = {"hops": [{**h, "short_id": short_id(h["peer_id"])} for h in route["hops"]],
-                 "est_round_ms": round(route["est_round_s"] * 1000, 3)}
+                  "missing_blocks": watch.missing.missing_blocks, "error": "the swarm has not been surveyed yet"}
+    route = None
+    if watch.view is not None and watch.view.plan is not None:
+        hops = ring_hops(watch.view.plan.hops, state.node.peer_id, head.local_blocks)
+        route = {"hops": [{**h, "short_id": short_id(h["peer_id"])} for h in hops],
+                 "est_round_ms": round(watch.view.plan.est_round_s * 1000, 3)}
+    coverage = list(report["coverage"])
+    local = None
+    if head.local_blocks is not None:
+        start, end = head.local_blocks
+        local = {"peer_id": state.node.peer_id, "short_id": short_id(state.node.peer_id), "start": start, "end": end}
+        coverage[start:end] = [c + 1 for c in coverage[start:end]]
     now = time.time()
     return {
         "model": head.model_id,
@@ -88,7 +97,8 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
         "now_unix": round(now, 3),
         "surveyed_unix": round(watch.surveyed_unix, 3) if watch.view is not None else None,
         "peers": _peers(state, report),
-        "coverage": report["coverage"],
+        "coverage": coverage,
+        "local": local,
         "route": route,
         "missing_blocks": report["missing_blocks"],
         "error": report["error"],
@@ -97,7 +107,7 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
             "mode": head.options.mode, "draft": draft_kind(head.options.draft), "running": state.admission.running,
             "waiting": state.admission.waiting, "max_concurrent": state.admission.max_running,
             "queue": state.admission.max_waiting, "uptime_s": round(now - state.started_unix, 1),
-            "head_peer_id": state.node.peer_id,
+            "head_peer_id": state.node.peer_id, "device": head.device, "dtype": head.dtype,
         },
     }
 
