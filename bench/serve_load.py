@@ -164,6 +164,7 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             "serve", "--bootstrap", state.bootstrap, "--store", str(target), "--draft", draft, "--port", "0",
             "--ready-file", str(ready), "--max-concurrent", str(max(args.clients)), "--queue", str(max(args.clients)),
             "--threads", "1", "--wan-latency-ms", str(args.latency_ms), "--mode", args.mode,
+            "--draft-quant", args.draft_quant if kind == "real" else "none",
         ], work)
         try:
             info = wait_ready(ready, proc, 600)
@@ -191,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="times every prompt is sent per level (default 2: 20 requests)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mode", default="dsd", choices=("ar", "sd", "dsd"))
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="int8",
+                   help="the real draft's quantization (default int8, as in the headline; tiny drafts stay fp32)")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/serve_load-DATE.json)")
     args = p.parse_args(argv)
