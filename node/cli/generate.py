@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsd.node.head.deadline import DeadlineRule
 from dsd.node.head.modes import MODE_HELP, MODES
 
-from .options import add_device_options, add_wan_options, fail, link_profile
+from .options import (
+    add_deadline_options,
+    add_device_options,
+    add_wan_options,
+    deadline_rule,
+    fail,
+    link_profile,
+)
 from .store import add_fetch_options, fetched_store
 
 
@@ -45,10 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_options(p)
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
-    d = p.add_argument_group("failure detection (docs/failures.md)")
-    d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds of its size (default {DeadlineRule.k:g})")
-    d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
-    d.add_argument("--deadline-cap", type=float, default=DeadlineRule.cap_s, metavar="S", help=f"... and never more than S seconds (default {DeadlineRule.cap_s:g})")
+    add_deadline_options(p)
     g = p.add_argument_group("federated mode (SpecFed): --store is the draft; workers hold whole models")
     g.add_argument("--federated", action="store_true", help="verify against federated workers' top-K distributions")
     g.add_argument("--workers", default="auto", metavar="auto|PEER_ID,...", help="workers to use (default auto: every live worker of the vocabulary, sorted by peer id)")
@@ -147,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
             eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop), branches=args.branches,
-            deadline=DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap),
+            deadline=deadline_rule(args),
             tree_nodes=args.tree_nodes,
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)

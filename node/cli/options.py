@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dsd.node.head.deadline import DeadlineRule
 from dsd.node.peer.shaper import LinkProfile
 
 DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"
@@ -29,6 +30,19 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("device")
     g.add_argument("--device", default="auto", metavar=DEVICE_HELP, help="where models compute: auto = CUDA, else Apple MPS, else the CPU (default auto)")
     g.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto", help="compute dtype, whatever the store holds (cast at load): auto = bfloat16 on CUDA GPUs that support it, float16 on other GPUs, float32 on the CPU (bit-exact; default auto)")
+
+
+def add_deadline_options(p: argparse.ArgumentParser) -> None:
+    """How long a head awaits a window's result before it looks for the silent hop (docs/failures.md)."""
+    d = p.add_argument_group("failure detection (docs/failures.md)")
+    d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds of its size (default {DeadlineRule.k:g})")
+    d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
+    d.add_argument("--deadline-cap", type=float, default=DeadlineRule.cap_s, metavar="S", help=f"... and never more than S seconds (default {DeadlineRule.cap_s:g})")
+
+
+def deadline_rule(args: argparse.Namespace) -> DeadlineRule:
+    """The deadline rule the options ask for."""
+    return DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap)
 
 
 def link_profile(args: argparse.Namespace) -> LinkProfile:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsd.node.head.deadline import DeadlineRule
 from dsd.node.head.modes import MODE_HELP, MODES
 from dsd.node.service.defaults import (
     DEFAULT_HOST,
@@ -17,7 +16,14 @@ from dsd.node.service.defaults import (
 )
 
 from .generate import _tree_nodes
-from .options import add_device_options, add_wan_options, fail, link_profile
+from .options import (
+    add_deadline_options,
+    add_device_options,
+    add_wan_options,
+    deadline_rule,
+    fail,
+    link_profile,
+)
 from .store import add_fetch_options, fetched_store
 
 
@@ -50,10 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_options(p)
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
-    d = p.add_argument_group("failure detection (docs/failures.md)")
-    d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds (default {DeadlineRule.k:g})")
-    d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
-    d.add_argument("--deadline-cap", type=float, default=DeadlineRule.cap_s, metavar="S", help=f"... and never more than S seconds (default {DeadlineRule.cap_s:g})")
+    add_deadline_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -88,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         store=args.store, draft=args.draft, blocks=args.blocks, placement=place, draft_quant=args.draft_quant,
         mode=args.mode, branches=args.branches,
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
-        deadline=DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap),
+        deadline=deadline_rule(args),
         max_context=args.max_context, default_max_tokens=args.max_tokens_default,
     )
     cfg = ServeConfig(
