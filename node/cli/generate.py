@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from dsd.node.head.modes import MODE_HELP, MODES
@@ -13,6 +12,7 @@ from dsd.node.head.modes import MODE_HELP, MODES
 from .options import (
     add_deadline_options,
     add_device_options,
+    add_head_options,
     add_wan_options,
     deadline_rule,
     fail,
@@ -23,10 +23,7 @@ from .store import add_fetch_options, fetched_store
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
-    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--store", type=Path, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm and lm_head")
-    target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")
+    add_head_options(p, store_help="the target's store: the head loads its embeddings, final norm and lm_head")
     p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="draft model store; ngram for model-free prompt lookup (default; with --federated the default is the --store model); or DRAFT_STORE+ngram (also ngram+DRAFT_STORE): prompt lookup when the context's tail repeats earlier text, the draft model otherwise")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers after loading: int8 = torch dynamic int8, faster on CPU; the target still decides every token (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)

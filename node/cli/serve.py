@@ -19,6 +19,7 @@ from .generate import _tree_nodes
 from .options import (
     add_deadline_options,
     add_device_options,
+    add_head_options,
     add_wan_options,
     deadline_rule,
     fail,
@@ -29,10 +30,7 @@ from .store import add_fetch_options, fetched_store
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming), a live swarm page at / and /metrics")
-    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--store", type=Path, metavar="TARGET_STORE", help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
-    target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")
+    add_head_options(p, store_help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
     p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="drafter, loaded once and shared by every request (default ngram: model-free prompt lookup)")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
