@@ -17,6 +17,7 @@ Resumable: runs already in the results file are skipped, and the file is rewritt
     python bench/dsd_sweep.py --peers 4 --ratios 5                 # the headline setting (hours)
     python bench/dsd_sweep.py                                      # N in {3,4,8} x t1/t0 in {3,5,10}
     python bench/dsd_sweep.py --peers 4 --ratios 5 --modes sd-chain,sd,dsd-chain,dsd --name tree_vs_chain  # trees
+    python bench/dsd_sweep.py --peers 4 --ratios 5 --modes ar,sd,dsd-serial,dsd --name pipeline  # the pipeline
     python bench/dsd_sweep.py --models tiny --problems 0,1 --reps 1 --max-new-tokens 24   # smoke test
 """
 
@@ -45,7 +46,7 @@ from harness import (
     testnet,
     today,
 )
-from sweep_model import CHAIN, MODES, base_mode, summarize
+from sweep_model import CHAIN, MODES, SERIAL, base_mode, summarize
 from sweep_report import markdown_table, write_outputs
 from sweep_setup import (
     Workload,
@@ -91,6 +92,7 @@ class SweepOptions:
     tau_max: float = 0.0
     draft_quant: str = "none"
     branches: int = 8
+    pipeline: int = 2
     tree_nodes: int | None = None  # None: the controller decides; 0: chains only
     exec_timeout: float = 5.0
     name: str = "dsd_sweep"
@@ -156,6 +158,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
             mode=base_mode(mode), max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
             stop_strings=HUMANEVAL_STOPS if real else (), tau_max=opts.tau_max if mode == "dsd-adaptive" else 0.0,
             branches=opts.branches, tree_nodes=0 if mode.endswith(CHAIN) else opts.tree_nodes,
+            pipeline=1 if mode.endswith(SERIAL) else opts.pipeline,
         )
         mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
         if mode_setup.drafter is not None:
@@ -223,7 +226,7 @@ def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, targ
                        "load_before": load_before, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
         "options": {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
                     "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
-                    "branches": opts.branches, "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes},
+                    "branches": opts.branches, "pipeline": opts.pipeline, "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes},
         "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
         "runs": [],
     }
@@ -301,6 +304,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     p.add_argument("--tau-max", type=float, default=0.0, help="dsd-adaptive relaxation bound (0 = lossless)")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="the draft's quantization")
     p.add_argument("--branches", type=int, default=8, help="dsd: outcome branches per trip (0 = only full acceptance)")
+    p.add_argument("--pipeline", type=int, default=2, help="dsd: windows in flight at once (dsd-serial: 1)")
     p.add_argument("--tree-nodes", default="auto", metavar="N|auto",
                    help="drafted nodes of a token-tree window (default auto: the controller decides; 0 = chains only)")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
@@ -328,7 +332,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     name = args.name or "dsd_sweep" + ("-tiny" if args.models == "tiny" else "")
     opts = SweepOptions(models=args.models, peers=peers, ratios=ratios, problems=problems, modes=modes,
                         reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
-                        draft_quant=args.draft_quant, branches=args.branches, tree_nodes=tree_nodes,
+                        draft_quant=args.draft_quant, branches=args.branches, pipeline=args.pipeline, tree_nodes=tree_nodes,
                         exec_timeout=args.exec_timeout, name=name, results=args.results, state=args.state)
     return opts, args.report_only
 

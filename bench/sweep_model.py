@@ -11,16 +11,18 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain")
+MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial")
 # Paired ratios reported when both modes ran: the speedups, and trees (the controller's choice) vs chains.
 RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
-          ("dsd-chain", "sd-chain"))
+          ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
+SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-drafting overlap alone
 
 
 def base_mode(mode: str) -> str:
-    """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only."""
-    return mode.removesuffix(CHAIN)
+    """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only, `dsd-serial` runs `dsd`
+    with one window in flight."""
+    return mode.removesuffix(CHAIN).removesuffix(SERIAL)
 
 
 def interp(table: dict[int, float], x: float) -> float:
@@ -125,6 +127,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
         "accepted": accepted,
         "tree_window_share": sum(r.get("tree_windows", 0) for r in runs) / draft_rounds if draft_rounds else 0.0,
         "ready_share": sum(r["ready_rounds"] for r in runs) / windows if windows else 0.0,
+        "pipelined_share": sum(r.get("pipelined_rounds", 0) for r in runs) / windows if windows else 0.0,
+        "pipelined_wasted": sum(r.get("pipelined_wasted", 0) for r in runs),
         "bytes_per_token": sum(r["bytes_sent"] + r["bytes_received"] for r in runs) / tokens if tokens else 0.0,
         "drafting_s": sum(t["drafting_s"] for t in tb),
         "drafting_hidden_used_s": used,

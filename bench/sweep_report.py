@@ -27,7 +27,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | model dsd/ar | ready (dsd) | "
              "pairs | load before → after |", "|" + "---|" * 12]
     rows = ["| model | N | t1/t0 | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
-            "| ready | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 16]
+            "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 17]
     trees = ["| model | N | t1/t0 | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
              "|" + "---|" * 7]
     for s in results["settings_runs"]:
@@ -45,17 +45,19 @@ def markdown_table(results: dict[str, Any]) -> str:
             rows.append(
                 f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {mode} | {med:.2f} [{lo:.2f}, {hi:.2f}] | "
                 f"{r['tokens_per_trip']:.2f} | {r['mean_accepted']:.2f} | {r['mean_gamma']:.1f} | "
-                f"{r.get('tree_window_share', 0.0) * 100:.0f} % | {r['ready_share'] * 100:.0f} % | {r['hidden_used_share'] * 100:.0f} % | {r['drafting_hidden_wasted_s']:.1f} | "
+                f"{r.get('tree_window_share', 0.0) * 100:.0f} % | {r['ready_share'] * 100:.0f} % | "
+                f"{r.get('pipelined_share', 0.0) * 100:.0f} % | {r['hidden_used_share'] * 100:.0f} % | {r['drafting_hidden_wasted_s']:.1f} | "
                 f"{r['drafting_exposed_s']:.1f} | {r['bytes_per_token'] / 1024:.0f} KiB | {same} | "
                 f"{fmt(r.get('pass_at_1'))} |")
         for name, r in ratios.items():
-            if "-chain" in name and not name.endswith("tokens/trip"):
+            if ("-chain" in name or "-serial" in name) and not name.endswith("tokens/trip"):
                 trip = ratios.get(f"{name} tokens/trip")
                 trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {name} | {_ci(r)} | "
                              f"{_ci(trip) if trip else '-'} | {r['pairs']} |")
     out = "\n".join(lines) + "\n\n" + "\n".join(rows) + "\n"
     if len(trees) > 2:
-        out += "\nToken trees (--tree-nodes as given; auto: the controller decides) vs chains, paired per prompt and repetition:\n\n"
+        out += ("\nToken trees (--tree-nodes as given; auto: the controller decides) vs chains, and dsd's pipeline vs one "
+                "window in flight (dsd-serial), paired per prompt and repetition:\n\n")
         out += "\n".join(trees) + "\n"
     fed = results.get("federated")
     if fed:

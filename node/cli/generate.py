@@ -13,6 +13,7 @@ from .options import (
     add_deadline_options,
     add_device_options,
     add_head_options,
+    add_overlap_options,
     add_wan_options,
     deadline_rule,
     fail,
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=int, default=None, help="fixed draft window size (default: adaptive)")
     p.add_argument("--gamma-max", type=int, default=16)
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY; 0 = lossless)")
-    p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
+    add_overlap_options(p)
     p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="drafted nodes of a token-tree window (at most 63; default auto: the window controller picks a tree or a chain from measured round times and acceptance; 0 = always chains); trees need a draft model (block peers and federated workers both run them)")
     p.add_argument("--blocks", default=None, metavar="A:B", help="layers the head serves itself, the model's first (0:B) or last (A:L) ones, from its --store (which must hold those layer files): the route covers the others, one peer and one link crossing fewer (not with --federated)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
@@ -147,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
             eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop), branches=args.branches,
+            pipeline=args.pipeline,
             deadline=deadline_rule(args),
             tree_nodes=args.tree_nodes,
         )

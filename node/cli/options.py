@@ -40,6 +40,13 @@ def add_head_options(p: argparse.ArgumentParser, store_help: str) -> None:
     target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")
 
 
+def add_overlap_options(p: argparse.ArgumentParser) -> None:
+    """What dsd does while a window is in flight: the outcome branches it pre-drafts, the windows it sends ahead."""
+    g = p.add_argument_group("dsd overlap")
+    g.add_argument("--branches", type=int, default=8, metavar="N", help="outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
+    g.add_argument("--pipeline", type=int, default=2, metavar="W", help="windows in flight at once: while one flies, the next goes out on the bet that it is wholly accepted (default 2; 1 = wait for each verdict; at most 4)")
+
+
 def add_deadline_options(p: argparse.ArgumentParser) -> None:
     """How long a head awaits a window's result before it looks for the silent hop (docs/failures.md)."""
     d = p.add_argument_group("failure detection (docs/failures.md)")

@@ -20,6 +20,7 @@ from .options import (
     add_deadline_options,
     add_device_options,
     add_head_options,
+    add_overlap_options,
     add_wan_options,
     deadline_rule,
     fail,
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
     p.add_argument("--gamma-max", type=int, default=16, help="largest draft window (default 16)")
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY)")
-    p.add_argument("--branches", type=int, default=8, metavar="N", help="dsd: outcome branches pre-drafted during each trip (default 8)")
+    add_overlap_options(p)
     p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="token-tree window budget (default auto; 0 = chains); trees need a draft model store")
     p.add_argument("--blocks", default=None, metavar="A:B", help="layers the head serves itself, the model's first (0:B) or last (A:L) ones, from its store (which must hold those layer files): every route covers the others, one peer and one link crossing fewer")
     p.add_argument("--federated", action="store_true", help="not in serve: it verifies over a route of block peers; for federated workers (whole models) use `dsd-node generate --federated`")
@@ -61,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
+    from dsd.node.head.config import GenerationConfig
     from dsd.node.service.head import HeadOptions
     from dsd.node.service.serve import ServeConfig, read_api_key, serve_until_signal
     from dsd.shard_store import StoreError
@@ -79,6 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail("need --max-concurrent >= 1, --queue >= 0 and a --port in 0..65535")
     if args.max_tokens_default < 1 or (args.max_context is not None and args.max_context < 2):
         return fail("--max-tokens-default must be >= 1 and --max-context >= 2")
+    try:  # what every request's generation would refuse, refused once at the start
+        GenerationConfig(mode=args.mode, branches=args.branches, pipeline=args.pipeline, gamma_max=args.gamma_max)
+    except ValueError as exc:
+        return fail(str(exc))
     try:
         api_key = read_api_key(args.api_key) if args.api_key else None
     except (OSError, ValueError) as exc:
@@ -87,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.store = fetched_store(args, args.blocks)
     head = HeadOptions(
         store=args.store, draft=args.draft, blocks=args.blocks, placement=place, draft_quant=args.draft_quant,
-        mode=args.mode, branches=args.branches,
+        mode=args.mode, branches=args.branches, pipeline=args.pipeline,
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
         deadline=deadline_rule(args),
         max_context=args.max_context, default_max_tokens=args.max_tokens_default,

@@ -14,6 +14,7 @@ from .modes import MODES
 from .sampling import SamplingParams
 from .tree import MAX_POOL_NODES, MAX_TREE_NODES
 
+MAX_PIPELINE = 4  # dsd: most windows in flight at once
 LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window size
 TREE_CAP = MAX_TREE_NODES - 1  # drafted nodes a tree window may carry: the wire's limit minus the root
 TREE_TOP_K = 4  # children per expanded node, and nodes expanded per layer (EAGLE-2's small-target setting)
@@ -71,12 +72,18 @@ class GenerationConfig:
     alternatives: int = 2  # dsd: alternative tokens bet on per draft position
     deadline: DeadlineRule = field(default_factory=DeadlineRule)  # how long a window's result is awaited
     tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
+    pipeline: int = 2  # dsd: windows in flight at once (the next sent on the full-acceptance bet); 1 = one
+    ahead_min: float = 0.05  # dsd: send a window ahead only if its bet is at least this likely (draft's q or measured α)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if not 0.0 <= self.ahead_min <= 1.0:
+            raise ValueError(f"ahead_min must be in [0, 1], got {self.ahead_min}")
+        if not 1 <= self.pipeline <= MAX_PIPELINE:
+            raise ValueError(f"pipeline must be in [1, {MAX_PIPELINE}], got {self.pipeline}")
         if self.branches < 0 or self.alternatives < 1:
             raise ValueError("branches must be >= 0 and alternatives >= 1")
         if self.tree_nodes is not None and (

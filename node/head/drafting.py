@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -52,6 +52,16 @@ class Bets:
     branches: list[Branch]
     cost: dict[int, float]  # id(branch) -> hidden drafting seconds spent on it
     hidden: bool  # False when the verdict arrived before the first step finished
+    dead: set[int] = field(default_factory=set)  # id(branch) of branches no longer advanced
+
+    @property
+    def main(self) -> Branch | None:
+        """The full-acceptance bet (the likeliest outcome), if there is one."""
+        return next((b for b in self.branches if b.main), None)
+
+    @property
+    def spent(self) -> float:
+        return sum(self.cost.values())
 
 
 class Drafting:
@@ -116,15 +126,17 @@ class Drafting:
         q = tree.q
         return Draft(list(tree.tokens), [None if q is None else q[i] for i in range(len(tree))], tree)
 
-    async def predraft(self, branches: list[Branch], gamma: int, arrived: trio.Event, due: float | None) -> Bets:
+    async def predraft(self, branches: list[Branch], gamma: int, arrived: trio.Event, due: float | None,
+                       *, into: Bets | None = None) -> Bets:
         """While the window flies: advance every outcome branch one batched step at a time until the
         verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
 
         A batched step costs more than a single one, so when the steps still needed would run past
         the trip's expected end (`due`, a perf_counter time), the least likely half of the other
-        branches is dropped: the main branch must be ready first."""
-        bets = Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
-        dead: set[int] = set()
+        branches is dropped: the main branch must be ready first. `into` continues the bets of an
+        earlier call (cut short by another window's verdict) where they stopped."""
+        bets = into if into is not None else Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
+        branches, dead = bets.branches, bets.dead
         first = True
         while True:
             active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)]

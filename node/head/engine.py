@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +75,19 @@ class _Outcome:
 
 
 @dataclass
+class _Flight:
+    """A window on the wire: its drafts, the tokens they follow (its root is `context[-1]`), its epoch,
+    when it left, and the outcome branches pre-drafted for it (`bets_done`: not cut short)."""
+
+    drafts: Draft
+    context: list[int]
+    epoch: int
+    sent_at: float
+    bets: Bets | None = None
+    bets_done: bool = False
+
+
+@dataclass
 class _Tally:
     """Counters of one generation."""
 
@@ -87,6 +101,8 @@ class _Tally:
     prefill_s: float = 0.0
     depth: int = 0  # positions drafted per window, summed (a chain's γ, a tree's depth)
     tree_windows: int = 0  # windows sent as trees
+    pipelined: int = 0  # windows sent before the verdict they bet on, and used
+    pipelined_wasted: int = 0  # windows sent before the verdict they bet on, and dropped
 
 
 class HeadEngine:
@@ -128,6 +144,8 @@ class HeadEngine:
                 "(a route of block peers, federated workers or the local model)"
             )
         self.trees = cfg.mode != "ar" and cfg.tree_nodes != 0 and can_tree
+        # dsd: windows in flight at once; a backend that can hold more than one says `supports_pipeline`.
+        self.pipeline = cfg.pipeline if self.overlap and getattr(backend, "supports_pipeline", False) else 1
 
     # --- drafting ---------------------------------------------------------
 
@@ -157,69 +175,75 @@ class HeadEngine:
         self.progress = new = []
         t_start = time.perf_counter()
         tally = _Tally()
-        epoch, start, commit = 0, 0, 0
-        keep: list[int] | None = None
-        window, drafts = list(prompt), Draft([], [])
+        epoch = 0
+        flights: deque[_Flight] = deque()
+        await self._launch(flights, committed, Draft([], []), epoch, start=0, commit=0)
         while True:
-            await self._submit(window, start, commit, epoch, drafts.wire_parents, keep)
-            logits, bets, round_s = await self._trip(committed, drafts, epoch, len(new))
-            if start == 0:
+            flight = flights.popleft()
+            replays = getattr(self.backend, "replays", 0)
+            logits, round_s = await self._trip(flight, flights, len(new))
+            if not tally.rounds:
                 tally.prefill_s = round_s
             t_v = time.perf_counter()
-            outcome = self._verify(logits, drafts)
+            outcome = self._verify(logits, flight.drafts)
             self.times.verifying += time.perf_counter() - t_v
-            self._count(tally, drafts, outcome, round_s)
+            self._count(tally, flight.drafts, outcome, round_s)
             emitted, finished = self._clip(outcome.tokens, new)
             new.extend(emitted)
             committed.extend(emitted)
             if on_tokens and emitted:
                 on_tokens(emitted)
             if finished:
+                tally.pipelined_wasted += len(flights)  # sent ahead past the end: never collected
                 break
-            if drafts.wire_parents is not None:  # keep the accepted path of the tree (root first)
+            if flights and committed == flights[0].context and getattr(self.backend, "replays", 0) == replays:
+                self._went_on(tally, flight)  # the window sent on this outcome is already on its way
+                continue
+            stale = len(flights)
+            if stale:  # windows sent on an outcome that did not happen: their results will be skipped
+                tally.pipelined_wasted += stale
+                self.times.drafting_hidden_wasted += sum(f.bets.spent for f in flights if f.bets is not None and f.bets.hidden)
+                flights.clear()
+            if stale or (flight.drafts.tokens and not outcome.full):
+                epoch += 1
+            if flight.drafts.wire_parents is not None:  # keep the accepted path of the tree (root first)
+                start = len(flight.context) - 1
                 commit, keep = start, [0, *(i + 1 for i in outcome.path)]
             else:
                 commit, keep = len(committed) - 1, None
-            start = len(committed) - 1
-            if drafts.tokens and not outcome.full:
-                epoch += 1
-            drafts = await self._next_window(committed, drafts, outcome, bets, tally, len(new))
-            window = [committed[-1], *drafts.tokens]
+            drafts = await self._next_window(committed, flight.drafts, outcome, flight.bets, tally, len(new))
+            await self._launch(flights, committed, drafts, epoch, start=len(committed) - 1, commit=commit, keep=keep)
         return GenerationResult(
             mode=self.cfg.mode, tokens=new, elapsed_s=time.perf_counter() - t_start, rounds=tally.rounds,
             drafted=tally.drafted, accepted=tally.accepted, accepted_per_round=tally.per_round, times=self.times,
             prefill_s=tally.prefill_s, windows_after_prefill=tally.windows_after_prefill, ready_rounds=tally.ready,
             branches_drafted=tally.branches, drafted_depth=tally.depth, tree_windows=tally.tree_windows,
+            pipelined_rounds=tally.pipelined, pipelined_wasted=tally.pipelined_wasted,
         )
 
-    async def _submit(self, window: list[int], start: int, commit: int, epoch: int, parents: list[int] | None,
-                      keep: list[int] | None) -> None:
-        """Send the window; a chain after a chain goes exactly as before trees existed (no tree arguments)."""
+    async def _launch(self, flights: deque[_Flight], context: list[int], drafts: Draft, epoch: int, *, start: int,
+                      commit: int, keep: list[int] | None = None) -> None:
+        """Send the window `context[start:] + drafts` (its root is context[-1]) and queue it as in flight.
+
+        A chain after a chain goes exactly as before trees existed (no tree arguments)."""
         tree: dict[str, list[int]] = {}
-        if parents is not None:
-            tree["parents"] = parents
+        if drafts.wire_parents is not None:
+            tree["parents"] = drafts.wire_parents
         if keep is not None:
             tree["keep"] = keep
-        await self.backend.submit(window, start=start, commit=commit, epoch=epoch, **tree)
+        await self.backend.submit(list(context[start:]) + drafts.tokens, start=start, commit=commit, epoch=epoch, **tree)
+        flights.append(_Flight(drafts, list(context), epoch, time.perf_counter()))
 
-    async def _trip(self, committed: list[int], drafts: Draft, epoch: int, produced: int) -> tuple[torch.Tensor, Bets | None, float]:
-        """Wait for the window's target logits; in dsd, pre-draft the outcome branches meanwhile."""
-        t_sent = time.perf_counter()
-        rows = len(drafts.tokens) + 1
-        gamma_next = self._next_gamma(produced + drafts.depth + 1)
-        bets: Bets | None = None
-        if self.overlap and gamma_next > 0:
+    async def _trip(self, flight: _Flight, later: deque[_Flight], produced: int) -> tuple[torch.Tensor, float]:
+        """Wait for the window's target logits (the round's seconds since it was sent); in dsd, pre-draft
+        the outcome branches meanwhile and send the next window ahead when the pipeline has room."""
+        rows = len(flight.drafts.tokens) + 1
+        if self.overlap:
             arrived = trio.Event()
             box: list[torch.Tensor | Exception] = []
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._collect_into, box, arrived, epoch, rows)
-                expected = self.window.expected_round_s(len(drafts.tokens))
-                due = None if expected is None else t_sent + expected
-                # Draft a little past the current choice: the controller may pick a longer window once
-                # this round is observed, and a branch shorter than that would cut the next window short.
-                room = self.cfg.max_new_tokens - (produced + drafts.depth + 1)
-                ahead = max(gamma_next, min(gamma_next + LOOKAHEAD, self.cfg.gamma_max, room))
-                bets = await self.drafting.predraft(self._branches(committed, drafts), ahead, arrived, due)
+                nursery.start_soon(self._collect_into, box, arrived, flight.epoch, rows)
+                await self._fly(flight, later, produced, arrived)
                 t_wait = time.perf_counter()
                 await arrived.wait()
                 self.times.waiting += time.perf_counter() - t_wait
@@ -228,9 +252,60 @@ class HeadEngine:
             logits = box[0]
         else:
             t_wait = time.perf_counter()
-            logits = await self.backend.collect(epoch=epoch, rows=rows)
+            logits = await self.backend.collect(epoch=flight.epoch, rows=rows)
             self.times.waiting += time.perf_counter() - t_wait
-        return logits, bets, time.perf_counter() - t_sent
+        return logits, time.perf_counter() - flight.sent_at
+
+    async def _fly(self, flight: _Flight, later: deque[_Flight], produced: int, arrived: trio.Event) -> None:
+        """Draft while `flight` is out: the outcome branches of the newest window in flight, then (with room
+        in the pipeline) its full-acceptance branch sent as the next window, and so on until the verdict."""
+        while not arrived.is_set():
+            tail = later[-1] if later else flight
+            # Tokens produced once the tail's outcome is in, if every window before it is wholly accepted.
+            after = produced + len(tail.context) - len(flight.context) + tail.drafts.depth + 1
+            gamma_next = self._next_gamma(after)
+            if gamma_next <= 0:
+                return
+            if tail.bets is None or not tail.bets_done:
+                expected = self.window.expected_round_s(len(tail.drafts.tokens))
+                due = None if expected is None else tail.sent_at + expected
+                # Draft a little past the current choice: the controller may pick a longer window once
+                # this round is observed, and a branch shorter than that would cut the next window short.
+                room = self.cfg.max_new_tokens - after
+                ahead = max(gamma_next, min(gamma_next + LOOKAHEAD, self.cfg.gamma_max, room))
+                branches = self._branches(tail.context, tail.drafts) if tail.bets is None else tail.bets.branches
+                tail.bets = await self.drafting.predraft(branches, ahead, arrived, due, into=tail.bets)
+                tail.bets_done = not arrived.is_set()
+                continue
+            main = tail.bets.main
+            if 1 + len(later) >= self.pipeline or tail.drafts.tree is not None or main is None or not main.tokens:
+                return
+            # Worth sending only if the bet is likely: as the draft rates it, or as the measured acceptance does.
+            if max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1)) < self.cfg.ahead_min:
+                return
+            assert main.root is not None
+            context = main.prefix + [main.root]
+            drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
+            await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1, commit=len(context) - 1)
+
+    def _went_on(self, tally: _Tally, flight: _Flight) -> None:
+        """The outcome matched the window sent ahead of it: count a ready round and the drafting it used."""
+        tally.windows_after_prefill += 1
+        tally.ready += 1
+        tally.pipelined += 1
+        bets = flight.bets
+        if bets is not None:
+            tally.branches += len(bets.branches)
+            self._account(bets, bets.main)
+        self.window.observe_ready(True)
+
+    def _account(self, bets: Bets, chosen: Branch | None) -> None:
+        """Hidden drafting of one trip: the chosen branch's share was used, the rest wasted."""
+        if not bets.hidden:
+            return
+        used = bets.cost[id(chosen)] if chosen is not None else 0.0
+        self.times.drafting_hidden_used += used
+        self.times.drafting_hidden_wasted += bets.spent - used
 
     def _count(self, tally: _Tally, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
@@ -260,10 +335,7 @@ class HeadEngine:
             k = outcome.accepted
             chosen = pick(bets.branches, k, committed[-1]) if sent.tree is None else pick_after_tree(bets.branches, k, committed)
             tally.branches += len(bets.branches)
-            spent = sum(bets.cost.values())
-            used = bets.cost[id(chosen)] if chosen is not None and bets.hidden else 0.0
-            self.times.drafting_hidden_used += used
-            self.times.drafting_hidden_wasted += spent - used if bets.hidden else 0.0
+            self._account(bets, chosen)
         if chosen is not None and gamma_next > 0:
             drafts = Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])
             tally.ready += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -19,15 +20,18 @@ class LocalBackend:
     Used to measure t0 (one peer's compute for a decoding step) and to check the
     engine's logic without a network. Runs token-tree windows as the peers do: the spans
     take `parents`, and `keep` compacts every cache to the accepted path of the last tree.
+    Windows may be sent before earlier results are collected (`supports_pipeline`); their results
+    queue in order, and `collect` skips those of an older epoch, as a route does.
     """
 
     supports_trees = True
+    supports_pipeline = True
 
     def __init__(self, head: HeadModule, spans: Sequence) -> None:
         self.head = head
         self.spans = list(spans)
         self.caches = [s.new_cache() for s in self.spans]
-        self._pending: torch.Tensor | None = None
+        self._pending: deque[tuple[int, torch.Tensor]] = deque()
 
     @property
     def length(self) -> int:
@@ -48,10 +52,13 @@ class LocalBackend:
         self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
         parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
     ) -> None:
-        self._pending = await trio.to_thread.run_sync(self._run, tokens, start, commit, parents, keep)
+        hidden = await trio.to_thread.run_sync(self._run, tokens, start, commit, parents, keep)
+        self._pending.append((epoch, hidden))
 
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        assert self._pending is not None, "collect() before submit()"
-        hidden, self._pending = self._pending, None
+        while self._pending and self._pending[0][0] < epoch:
+            self._pending.popleft()
+        assert self._pending, "collect() with no window of this epoch submitted"
+        hidden = self._pending.popleft()[1]
         with torch.inference_mode():
             return self.head.logits(hidden[-rows:].unsqueeze(0))[0].to("cpu").to(torch.float32)

@@ -65,6 +65,8 @@ class GenerationResult:
     branches_drafted: int = 0  # outcome branches advanced during trips (main guess included)
     drafted_depth: int = 0  # positions drafted per window, summed (a chain's γ, a tree's depth)
     tree_windows: int = 0  # draft windows sent as token trees
+    pipelined_rounds: int = 0  # of the ready rounds, windows sent before the verdict they bet on (dsd pipeline)
+    pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
 
     @property
     def mean_accepted(self) -> float:
@@ -113,5 +115,7 @@ class GenerationResult:
             "mean_tree_nodes": round(self.mean_tree_nodes, 4),
             "mean_window_depth": round(self.mean_window_depth, 4),
             "tree_windows": self.tree_windows,
+            "pipelined_rounds": self.pipelined_rounds,
+            "pipelined_wasted": self.pipelined_wasted,
             "time_breakdown": self.times.as_dict(),
         }

@@ -44,9 +44,16 @@ class RouteBackend:
     the first layers before the window goes out, the last ones on each result before the
     logits. The keeper routes only the other layers. A replay after a failover starts again
     at position 0 with commit 0, so the local span's cache is rebuilt with the new route's.
+
+    Pipelining (dsd): a chain window may be sent *ahead*, before the results of the windows in
+    flight are collected (same epoch, starting where they end, keeping all of them). Results
+    come back in sending order. A window of a newer epoch drops the ones sent ahead (their results
+    are skipped as stale). A failover replays only the oldest window in flight and drops those sent
+    ahead; `replays` counts failovers so the engine knows they are gone.
     """
 
     supports_trees = True
+    supports_pipeline = True
 
     def __init__(
         self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128,
@@ -75,6 +82,11 @@ class RouteBackend:
         self._parents: list[int] | None = None  # the window's parents when it is a tree
         self._failure: RouteError | None = None
         self._before_last: np.ndarray | None = None  # result rows of the chunk before the last one sent
+        self._ahead: list[list[int]] = []  # chain windows sent after `_window`, before its result came
+        self._uncollected = 0  # windows of `_epoch` sent whose results have not been collected
+        self._epoch = 0
+        self._route_lock = trio.Lock()  # a window sent ahead waits while a failover replays
+        self.replays = 0
 
     @property
     def session(self) -> RouteSession:
@@ -138,14 +150,22 @@ class RouteBackend:
     ) -> None:
         """Send a window; a long chain (a prompt) goes in chunks, all but the last awaited here; a tree whole.
 
-        `keep` (after a tree window, with commit = its start) names the accepted nodes, root first."""
+        `keep` (after a tree window, with commit = its start) names the accepted nodes, root first.
+        A window of the same epoch sent before the last one's result is collected goes ahead (see the
+        class doc)."""
+        if self._uncollected and epoch == self._epoch:
+            await self._submit_ahead(tokens, start, commit, epoch, parents, keep)
+            return
         if keep is not None:
             held = self._prefix[:commit] + [self._window[i] for i in keep]
-        else:
-            held = self._prefix + self._window  # the rows as the peers hold them (a chain's positions)
+        else:  # the rows as the peers hold them (a chain's positions)
+            held = self._prefix + self._window + [t for w in self._ahead for t in w]
         self._prefix = held[:start]
         self._window = list(tokens)
         self._parents = None if parents is None else list(parents)
+        self._ahead = []
+        self._tail_windows.clear()  # windows still in flight are stale: their results are skipped
+        self._epoch, self._uncollected = epoch, 1
         self._failure = None
         try:
             if parents is None:
@@ -155,6 +175,25 @@ class RouteBackend:
                 await self._send(tokens, start, commit, epoch, parents, keep)
         except RouteError as exc:
             self._failure = exc  # handled in collect(): fail over, replay everything, re-send the window
+
+    async def _submit_ahead(
+        self, tokens: Sequence[int], start: int, commit: int, epoch: int,
+        parents: Sequence[int] | None, keep: Sequence[int] | None,
+    ) -> None:
+        """Send a chain window before the results of those in flight (they stay whole in the caches)."""
+        end = len(self._prefix) + len(self._window) + sum(len(w) for w in self._ahead)
+        if parents is not None or keep is not None or start != end or commit != start or len(tokens) > self.replay_chunk:
+            raise ValueError(f"a window sent ahead must be a chain of at most {self.replay_chunk} tokens at {end} "
+                             f"keeping every row before it (got start {start}, commit {commit})")
+        async with self._route_lock:
+            self._ahead.append(list(tokens))
+            self._uncollected += 1
+            if self._failure is not None:
+                return  # the route is broken: collect() fails over and drops this window
+            try:
+                await self._send(tokens, start, commit, epoch)
+            except RouteError as exc:
+                self._failure = exc
 
     async def _send_chunks(
         self, tokens: Sequence[int], start: int, commit: int, epoch: int, keep: Sequence[int] | None = None
@@ -179,8 +218,11 @@ class RouteBackend:
     async def _replay(self, epoch: int) -> None:
         """On a new route: every committed token as a chain, then the window in flight (a tree whole, last).
 
-        Windows in flight on the old route never answer; the local span is rebuilt from position 0."""
+        Windows in flight on the old route never answer (those sent ahead are dropped: `replays`);
+        the local span is rebuilt from position 0."""
         self._tail_windows.clear()
+        self._ahead, self._uncollected = [], 1
+        self.replays += 1
         if self._parents is None:
             await self._send_chunks(self._prefix + self._window, 0, 0, epoch)
             return
@@ -199,14 +241,19 @@ class RouteBackend:
                     break
                 except RouteError as exc:
                     self._failure = exc
-            failure, self._failure = self._failure, None
-            await self.keeper.replace(failure)
-            try:
-                await self._replay(epoch)  # replay every committed token, the window last
-            except RouteError as exc:
-                self._failure = exc
+            async with self._route_lock:
+                failure, self._failure = self._failure, None
+                await self.keeper.replace(failure)
+                try:
+                    await self._replay(epoch)  # replay every committed token, the window last
+                except RouteError as exc:
+                    self._failure = exc
         if len(hidden) < rows and self._before_last is not None:
             hidden = np.concatenate([self._before_last, hidden])
+        self._uncollected -= 1
+        if self._ahead:  # the oldest window is in: the next one sent ahead is now the oldest
+            self._prefix, self._window, self._parents = self._prefix + self._window, self._ahead.pop(0), None
+            self._before_last = None
         if len(hidden) < rows:
             raise ValueError(f"{rows} rows asked of a window sent in chunks of {self.replay_chunk} (at most chunk + 1)")
         t0 = time.perf_counter()

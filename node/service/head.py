@@ -51,6 +51,7 @@ class HeadOptions:
     draft_quant: str = "none"
     mode: str = "dsd"
     branches: int = 8
+    pipeline: int = 2
     tree_nodes: int | None = None
     gamma_max: int = 16
     tau_max: float = 0.0  # dsd-adaptive only
@@ -145,7 +146,7 @@ class ServedHead:
         cfg = GenerationConfig(
             mode=opts.mode, max_new_tokens=max_tokens, params=params, gamma_max=opts.gamma_max,
             tau_max=opts.tau_max if opts.mode == "dsd-adaptive" else 0.0, seed=seed, eos_ids=self.eos_ids,
-            stop_strings=req.stop, branches=opts.branches, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
+            stop_strings=req.stop, branches=opts.branches, pipeline=opts.pipeline, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
         )
         if req.stop and self.tokenizer is None:
             raise bad_param("stop", "stop strings need the model's tokenizer, and its store has none")
