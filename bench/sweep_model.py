@@ -151,6 +151,11 @@ def _paired(setting: dict[str, Any], num: str, den: str, key: str = "tokens_per_
     return list(groups.values())
 
 
+def pipelined(mode: str, setting: dict[str, Any]) -> bool:
+    """Whether the mode's runs sent windows ahead of verdicts (dsd with `--pipeline` > 1; older results: never)."""
+    return mode.startswith("dsd") and not mode.endswith(SERIAL) and setting.get("options", {}).get("pipeline", 1) > 1
+
+
 def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     """Per mode: totals, the median tok/s with its interval, the model's prediction; plus the paired speedups."""
     runs = setting["runs"]
@@ -168,7 +173,8 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         row["median_tokens_per_s"] = bootstrap_median(list(by_task.values()))
         gamma = best_gamma(base_mode(m), cal)
         pred = predict(base_mode(m), cal, gamma)
-        row["model"] = {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
+        # The model describes one window in flight; a pipelined dsd row is measured only, never "predicted".
+        row["model"] = None if pipelined(m, setting) else {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
         row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])
         ref_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == ref}
         same = [r["tokens"] == ref_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ref_tokens]

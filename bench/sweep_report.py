@@ -37,7 +37,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         load = f"{prov['load_before'][0]:.1f} → {prov.get('load_after', [float('nan')])[0]:.1f}"
         lines.append(
             f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {cal['t0_s'] * 1000:.0f} | {cal['latency_ms']:.0f} | "
-            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {fmt(dsd.get('model', {}).get('speedup_vs_ar'))}× | "
+            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {fmt((dsd.get('model') or {}).get('speedup_vs_ar'))}× | "
             f"{fmt(dsd.get('ready_share'))} | {ratios.get('dsd/ar', {}).get('pairs', 0)} | {load} |")
         for mode, r in modes.items():
             med, lo, hi = r["median_tokens_per_s"]
@@ -77,10 +77,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         summ = s.get("summary") or {}
         for name, r in summ.get("ratios", {}).items():
             model = None
-            if name == "dsd/ar":
-                model = summ["modes"]["dsd"]["model"]["speedup_vs_ar"]
-            elif name == "sd/ar":
-                model = summ["modes"]["sd"]["model"]["speedup_vs_ar"]
+            if name in ("dsd/ar", "sd/ar"):
+                model = (summ["modes"][name.split("/")[0]]["model"] or {}).get("speedup_vs_ar")
             series.setdefault((s["peers"], name), []).append((s["ratio"], r["median"], *r["ci95"], model))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, ((n, name), pts) in enumerate(sorted(series.items())):

@@ -118,3 +118,16 @@ def test_summarize_pairs_runs_of_the_same_prompt_and_repetition() -> None:
     assert s["modes"]["dsd"]["ready_share"] == pytest.approx(2 / 3)
     assert s["modes"]["dsd"]["hidden_used_share"] == pytest.approx(1.0)
     assert s["modes"]["sd"]["hidden_used_share"] == 0.0
+
+
+def test_pipelined_dsd_gets_no_prediction_but_serial_dsd_does() -> None:
+    """The timing model describes one window in flight: a pipelined dsd row must not carry its prediction."""
+    runs = []
+    for rep in (1, 2):
+        runs += [_run("A", rep, "ar", 1.0, [1]), _run("A", rep, "dsd-serial", 2.0, [1]), _run("A", rep, "dsd", 3.0, [1])]
+    piped = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs, "options": {"pipeline": 2}})
+    assert piped["modes"]["dsd"]["model"] is None
+    assert piped["modes"]["dsd-serial"]["model"]["speedup_vs_ar"] > 1.0
+    assert piped["ratios"]["dsd/dsd-serial"]["median"] == pytest.approx(1.5)
+    serial = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs, "options": {"pipeline": 1}})
+    assert serial["modes"]["dsd"]["model"] == serial["modes"]["dsd-serial"]["model"]
