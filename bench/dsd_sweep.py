@@ -186,6 +186,13 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
     return out
 
 
+def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Workload) -> list[tuple[int, dict[str, Any]]]:
+    """The (rep, prompt) pairs a setting still lacks: never run, or ended by a failed run."""
+    failed = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" in r}
+    done = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" not in r} - failed
+    return [(rep, p) for rep in range(1, opts.reps + 1) for p in workload.problems if (rep, p["task_id"]) not in done]
+
+
 def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup: Any, workload: Workload,
                 eos: frozenset[int], save: Any) -> None:
     """One (N, t1/t0) setting: start the testnet, run the missing (rep, prompt) pairs in every mode, stop it."""
@@ -195,11 +202,12 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     from dsd.node.peer.shaper import LinkProfile
 
     cal = setting["calibration"]
-    done = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" not in r}
-    todo = [(rep, p) for rep in range(1, opts.reps + 1) for p in workload.problems if (rep, p["task_id"]) not in done]
+    todo = run_setting_todo(opts, setting, workload)
     if not todo:
         return
-    setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) in done]
+    again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
+    setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
+    setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]
     with testnet(target, cal["peers"], cal["latency_ms"], opts.state / f"n{cal['peers']}-r{cal['ratio']:g}") as state:
         log(f"  testnet up in {state.up_seconds:.1f} s; {len(todo)} prompt runs to go")
 
@@ -256,6 +264,9 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
         for ratio in opts.ratios:
             key = setting_key(opts.models, n, ratio)
             setting = by_key.get(key)
+            if setting is not None and run_setting_todo(opts, setting, workload):
+                setting["provenance"].setdefault("resumed", []).append(  # what ran the rest, and on what load
+                    {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
             if setting is None:
                 if acceptance is None:
                     acceptance = measure_acceptance(target, setup.drafter.model, held_out, held_out.problems)

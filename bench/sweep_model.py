@@ -158,10 +158,10 @@ def pipelined(mode: str, setting: dict[str, Any]) -> bool:
 
 def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     """Per mode: totals, the median tok/s with its interval, the model's prediction; plus the paired speedups."""
-    runs = setting["runs"]
+    runs = [r for r in setting["runs"] if "error" not in r]  # a failed run has no counters; it is counted apart
     modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
     cal = setting["calibration"]
-    out: dict[str, Any] = {"modes": {}, "ratios": {}}
+    out: dict[str, Any] = {"modes": {}, "ratios": {}, "failed_runs": len(setting["runs"]) - len(runs) + len(setting.get("failed", []))}
     ar_pred = predict("ar", cal, 0)
     ref = "ar" if "ar" in modes else modes[0]  # greedy output must be the same in every mode: checked against ref
     for m in modes:

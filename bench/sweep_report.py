@@ -128,7 +128,10 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
     write_json(stem.with_suffix(".json"), results)
     prov = "\n".join(
         f"- {s['key']}: commit {s['provenance']['commit'][:12]}{' (dirty)' if s['provenance']['dirty'] else ''}, "
-        f"`{s['provenance']['command']}`, {len(s['runs'])} runs" for s in results["settings_runs"])
+        f"`{s['provenance']['command']}`, {len(s['runs'])} runs"
+        + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}" for r in s["provenance"].get("resumed", []))
+        + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
+        for s in results["settings_runs"])
     stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n" + markdown_table(results))
     if any(s.get("summary") for s in results["settings_runs"]):
         plot(results, stem.with_suffix(".png"))

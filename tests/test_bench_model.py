@@ -131,3 +131,14 @@ def test_pipelined_dsd_gets_no_prediction_but_serial_dsd_does() -> None:
     assert piped["ratios"]["dsd/dsd-serial"]["median"] == pytest.approx(1.5)
     serial = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs, "options": {"pipeline": 1}})
     assert serial["modes"]["dsd"]["model"] == serial["modes"]["dsd-serial"]["model"]
+
+
+def test_a_failed_run_is_counted_apart_and_never_enters_the_medians() -> None:
+    """A run that failed (a peer unreachable) has no counters: the summary must skip it, not crash, and count it."""
+    runs = [_run("A", 1, "ar", 1.0, [1]), _run("A", 1, "sd", 2.0, [1]),
+            {"task_id": "B", "rep": 1, "mode": "ar", "prompt_tokens": 5, "error": "RouteError: opening the route failed"}]
+    s = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs,
+                   "failed": [{"task_id": "C", "rep": 1, "mode": "sd", "error": "RouteError: x"}]})
+    assert s["failed_runs"] == 2
+    assert s["ratios"]["sd/ar"]["pairs"] == 1
+    assert s["modes"]["ar"]["identical_to_ar"] == "1/1"
