@@ -92,6 +92,33 @@ class KillAhead(RouteBackend):
         await super()._submit_ahead(tokens, start, commit, epoch, parents, keep)
 
 
+def test_a_route_that_cannot_open_is_retried_then_failed_over(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
+                                                               tmp_path: Path) -> None:
+    """The first hop given is a peer nobody can reach: the open is retried once, then failed over (the peer
+    blamed, a new plan over the live peers), and the generation completes exactly instead of failing."""
+    from dsd.discovery.identity import load_or_create_identity, peer_id_of
+    from dsd.protocol import Hop
+
+    net, _ = swarm
+    store = Store(tiny_qwen2_root / "store")
+    prompt = PROMPTS[1]
+    ghost = peer_id_of(load_or_create_identity(tmp_path / "ghost.key"))
+
+    async def main() -> tuple[list[int], list[list[str]]]:
+        async with head_node([net.bootstrap]) as (node, legs):
+            hops = plan_hops((await survey(node, MODEL, LAYERS)).plan)
+            hops[0] = Hop(ghost, ("/ip4/127.0.0.1/tcp/9",), hops[0].start, hops[0].end)
+            async with open_route_keeper(node, legs, model=MODEL, num_layers=LAYERS, max_len=128, hops=hops) as keeper:
+                backend = RouteBackend(store.load_head(), keeper, timeout_s=60)
+                drafter = ModelDrafter(store.load_full(), SamplingParams())
+                result = await HeadEngine(backend, drafter, _cfg()).generate(prompt)
+                return result.tokens, [e.blamed for e in keeper.events]
+
+    tokens, blamed = trio.run(main)
+    assert blamed == [[ghost]]
+    assert tokens == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
+
+
 def test_failover_with_a_window_ahead_replays_the_oldest_and_stays_exact(swarm, tiny_qwen2_root: Path,
                                                                          tiny_qwen2_hf) -> None:
     """The last hop dies as a window goes ahead: the keeper moves to the spare 4:5 peer, the backend replays

@@ -43,6 +43,8 @@ from .session import RouteSession
 
 log = logging.getLogger(__name__)
 
+REOPEN_PAUSE_S = 0.5  # before the one retry of a route that failed to open
+
 
 def plan_prior(plan: RoutePlan) -> RoundPrior:
     """The planner's round estimate as fixed seconds (links, overheads) plus compute per window token."""
@@ -145,6 +147,20 @@ class RouteKeeper:
             assert view.error is not None
             raise view.error
         return list(view.plan.protocol_hops()), plan_prior(view.plan)
+
+    async def open_first(self, hops: list[Hop], prior: RoundPrior | None) -> None:
+        """Open the first session. A route that fails to open is retried once on the same peers (a stream that
+        failed to open to a live peer is usually transient), then failed over like any route: blame, re-plan."""
+        try:
+            await self._open(hops, prior)
+            return
+        except RouteError as error:
+            log.warning("opening the route failed (%s); retrying once on the same peers", error)
+        await trio.sleep(REOPEN_PAUSE_S)
+        try:
+            await self._open(hops, prior)
+        except RouteError as error:
+            await self.replace(error)
 
     async def _open(self, hops: list[Hop], prior: RoundPrior | None) -> None:
         session = RouteSession(self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire,
@@ -286,10 +302,7 @@ async def open_route_keeper(
     """
     async with owned_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
-        if hops:
-            await keeper._open(hops, None)
-        else:
-            await keeper._open(*await keeper._plan())
+        await keeper.open_first(*((hops, None) if hops else await keeper._plan()))
         try:
             yield keeper
         finally:
