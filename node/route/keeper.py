@@ -160,7 +160,7 @@ class RouteKeeper:
         try:
             await self._open(hops, prior)
         except RouteError as error:
-            await self.replace(error)
+            await self.replace(error, tried=hops)
 
     async def _open(self, hops: list[Hop], prior: RoundPrior | None) -> None:
         session = RouteSession(self.node, self.legs, hops, model=self.model, max_len=self.max_len, wire=self.wire,
@@ -263,13 +263,15 @@ class RouteKeeper:
             return dead, True
         return ([error.peer] if error.peer else []), False
 
-    async def replace(self, error: RouteError) -> RouteSession:
-        """Blacklist the culprits, re-plan and open a new session; raises NoRouteError if none is left."""
+    async def replace(self, error: RouteError, tried: list[Hop] | None = None) -> RouteSession:
+        """Blacklist the culprits, re-plan and open a new session; raises NoRouteError if none is left.
+
+        `tried`: the hops of a route that never opened (there is no session to take them from)."""
         if len(self.events) >= self.max_failovers:
             raise RouteError(f"giving up after {len(self.events)} failovers; last error: {error}") from error
         t0 = time.perf_counter()
         old = self._retire()
-        hops = old.hops if old is not None else []
+        hops = old.hops if old is not None else (tried or [])
         if old is not None:
             self._nursery.start_soon(old.close)  # best effort, in the background: the old route may be frozen
         if isinstance(error, SilentHopError):

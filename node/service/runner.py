@@ -10,6 +10,7 @@ only and never the start of a stop string; the final text leaves the stop string
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -145,8 +146,10 @@ async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int
             return await generate_on(state.node, state.legs, head.setup_for(cfg), job.plan.prompt, cfg, hops=hops,
                                      tokenizer=head.tokenizer, on_tokens=on_tokens, local_span=head.local_span)
         except GenerationFailed as exc:
-            if isinstance(exc.cause, NoRouteError):
+            if isinstance(exc.cause, NoRouteError):  # the keeper failed over and found no route: the swarm changed
                 state.metrics.failures.labels(cause="no_route").inc()
+                with contextlib.suppress(trio.TooSlowError, OSError):
+                    await state.swarm.refresh()  # so /v1/models and the page stop offering the broken route
                 raise no_route_error(exc.cause) from None
             if attempt == 1 and job.first_token_at is None:
                 log.info("request %s: the route failed before the first token (%s); surveying again", job.rid, exc)
