@@ -189,7 +189,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
 def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Workload) -> list[tuple[int, dict[str, Any]]]:
     """The (rep, prompt) pairs a setting still lacks: never run, or ended by a failed run."""
     failed = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" in r}
-    done = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" not in r} - failed
+    done = {(r["rep"], r["task_id"]) for r in setting["runs"]} - failed
     return [(rep, p) for rep in range(1, opts.reps + 1) for p in workload.problems if (rep, p["task_id"]) not in done]
 
 
@@ -205,6 +205,9 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     todo = run_setting_todo(opts, setting, workload)
     if not todo:
         return
+    if setting["runs"]:  # a setting started earlier: record what runs the rest, and on what load
+        setting["provenance"].setdefault("resumed", []).append(
+            {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
     setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
     setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]
@@ -264,9 +267,6 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
         for ratio in opts.ratios:
             key = setting_key(opts.models, n, ratio)
             setting = by_key.get(key)
-            if setting is not None and run_setting_todo(opts, setting, workload):
-                setting["provenance"].setdefault("resumed", []).append(  # what ran the rest, and on what load
-                    {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
             if setting is None:
                 if acceptance is None:
                     acceptance = measure_acceptance(target, setup.drafter.model, held_out, held_out.problems)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from dsd_sweep import PROBLEMS, cut_completion  # noqa: E402
+from dsd_sweep import PROBLEMS, cut_completion, run_setting_todo  # noqa: E402
 from sweep_model import (  # noqa: E402
     best_gamma,
     bootstrap_median,
@@ -142,3 +142,14 @@ def test_a_failed_run_is_counted_apart_and_never_enters_the_medians() -> None:
     assert s["failed_runs"] == 2
     assert s["ratios"]["sd/ar"]["pairs"] == 1
     assert s["modes"]["ar"]["identical_to_ar"] == "1/1"
+
+
+def test_resume_reruns_a_prompt_whose_run_failed_in_every_mode() -> None:
+    """A prompt with a failed run is not done, even though its earlier modes finished; untouched ones stay done."""
+    from types import SimpleNamespace
+
+    runs = [_run("A", 1, "ar", 1.0, [1]), _run("A", 1, "sd", 2.0, [1]), _run("B", 1, "ar", 1.0, [1]),
+            {"task_id": "B", "rep": 1, "mode": "sd", "prompt_tokens": 5, "error": "RouteError: x"}]
+    opts, workload = SimpleNamespace(reps=2), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
+    todo = [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, {"runs": runs}, workload)]
+    assert todo == [(1, "B"), (2, "A"), (2, "B")]

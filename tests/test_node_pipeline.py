@@ -93,7 +93,7 @@ class KillAhead(RouteBackend):
 
 
 def test_a_route_that_cannot_open_is_retried_then_failed_over(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
-                                                               tmp_path: Path) -> None:
+                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The first hop given is a peer nobody can reach: the open is retried once, then failed over (the peer
     blamed, a new plan over the live peers), and the generation completes exactly instead of failing."""
     from dsd.discovery.identity import load_or_create_identity, peer_id_of
@@ -114,7 +114,9 @@ def test_a_route_that_cannot_open_is_retried_then_failed_over(swarm, tiny_qwen2_
                 result = await HeadEngine(backend, drafter, _cfg()).generate(prompt)
                 return result.tokens, [e.blamed for e in keeper.events]
 
-    tokens, blamed = trio.run(main)
+    with caplog.at_level("WARNING", logger="dsd.node.route.keeper"):
+        tokens, blamed = trio.run(main)
+    assert sum("retrying once on the same peers" in r.getMessage() for r in caplog.records) == 1
     assert blamed == [[ghost]]
     assert tokens == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
 
