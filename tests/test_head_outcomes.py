@@ -5,13 +5,17 @@ next window is drafted fresh. A scripted target and drafter make the outcome exa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import pytest
 import torch
 import trio
 
+from dsd.node.head.drafting import Arrival, Drafting
 from dsd.node.head.engine import GenerationConfig, HeadEngine
-from dsd.node.head.outcomes import bonus_alternatives, pick, plan_branches
+from dsd.node.head.outcomes import Branch, bonus_alternatives, pick, plan_branches
+from dsd.node.head.report import TimeBreakdown
 
 V = 32
 PROMPT = [1, 2, 3]
@@ -102,6 +106,46 @@ def test_an_unpredicted_correction_is_drafted_after_the_trip() -> None:
     assert tokens == TRUTH[:12]
     assert drafter.propose_calls >= 1
     assert report["ready_rounds"] < report["windows_after_prefill"]
+
+
+class SlowSteps(ScriptedDrafter):
+    """The scripted drafter with every batched step taking STEP_S of wall time (in the drafting thread)."""
+
+    STEP_S = 0.08
+
+    def step_many(self, contexts: Sequence[Sequence[int]]) -> list[tuple[int, torch.Tensor]]:
+        time.sleep(self.STEP_S)
+        return super().step_many(contexts)
+
+
+def test_bets_continued_past_a_verdict_count_as_hidden_but_for_the_overrun() -> None:
+    """A window sent ahead has its bets drafted over two trips: during the trip before it, then on
+    through its own. When a verdict lands during a step of the second call, the drafting done before
+    it was still hidden behind the trips; only the part of that step after the verdict is not."""
+    step = SlowSteps.STEP_S
+    times = TimeBreakdown()
+    drafting = Drafting(SlowSteps(wrong_at=-1, second=None), GenerationConfig(mode="dsd", gamma=4, tree_nodes=0), times)
+    main = Branch(prefix=list(PROMPT), k=0, root=None, value=1.0, main=True)
+
+    async def two_trips():
+        bets = await drafting.predraft([main], 2, Arrival(), None)  # root + 2 tokens, no verdict yet: 3 steps
+        verdict = Arrival()
+
+        async def arrive() -> None:
+            await trio.sleep(step / 2)
+            verdict.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(arrive)
+            bets = await drafting.predraft(bets.branches, 6, verdict, None, into=bets)  # one step, overtaken
+        return bets
+
+    bets = trio.run(two_trips)
+    assert main.tokens == [truth(len(PROMPT) + 1), truth(len(PROMPT) + 2), truth(len(PROMPT) + 3)]
+    assert bets.spent == pytest.approx(times.drafting) and bets.spent >= 4 * step
+    assert bets.late == pytest.approx(step / 2, abs=step / 4)  # the overtaken step's second half
+    assert bets.hidden() == pytest.approx(bets.spent - bets.late)
+    assert bets.hidden(main) == pytest.approx(bets.hidden() * bets.cost[id(main)] / bets.spent)
 
 
 def test_plan_branches_orders_bets_by_probability_and_skips_the_drafted_token() -> None:

@@ -45,13 +45,33 @@ class Draft:
         return [-1, *(p + 1 for p in self.tree.parents)]
 
 
+class Arrival:
+    """Set when a window's verdict arrives, remembering when (perf_counter): drafting that runs past
+    that moment delays the verdict's use, so it counts on the critical path, not as hidden."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self.at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
 @dataclass
 class Bets:
     """The branches pre-drafted during one trip and what drafting them cost (seconds per branch)."""
 
     branches: list[Branch]
-    cost: dict[int, float]  # id(branch) -> hidden drafting seconds spent on it
-    hidden: bool  # False when the verdict arrived before the first step finished
+    cost: dict[int, float]  # id(branch) -> drafting seconds spent on it
+    late: float = 0.0  # seconds of that drafting that ran after a verdict had arrived (not hidden)
     dead: set[int] = field(default_factory=set)  # id(branch) of branches no longer advanced
 
     @property
@@ -62,6 +82,14 @@ class Bets:
     @property
     def spent(self) -> float:
         return sum(self.cost.values())
+
+    def hidden(self, branch: Branch | None = None) -> float:
+        """Seconds of drafting hidden behind trips: on `branch` (the late part shared in proportion), or in all."""
+        spent = self.spent
+        if spent <= 0:
+            return 0.0
+        share = 1.0 if branch is None else self.cost.get(id(branch), 0.0) / spent
+        return max(0.0, spent - self.late) * share
 
 
 class Drafting:
@@ -126,7 +154,7 @@ class Drafting:
         q = tree.q
         return Draft(list(tree.tokens), [None if q is None else q[i] for i in range(len(tree))], tree)
 
-    async def predraft(self, branches: list[Branch], gamma: int, arrived: trio.Event, due: float | None,
+    async def predraft(self, branches: list[Branch], gamma: int, arrived: Arrival, due: float | None,
                        *, into: Bets | None = None) -> Bets:
         """While the window flies: advance every outcome branch one batched step at a time until the
         verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
@@ -135,7 +163,7 @@ class Drafting:
         the trip's expected end (`due`, a perf_counter time), the least likely half of the other
         branches is dropped: the main branch must be ready first. `into` continues the bets of an
         earlier call (cut short by another window's verdict) where they stopped."""
-        bets = into if into is not None else Bets(branches, {id(b): 0.0 for b in branches}, hidden=True)
+        bets = into if into is not None else Bets(branches, {id(b): 0.0 for b in branches})
         branches, dead = bets.branches, bets.dead
         first = True
         while True:
@@ -144,10 +172,11 @@ class Drafting:
                 break
             t0 = time.perf_counter()
             rows = await trio.to_thread.run_sync(self._step, [b.context for b in active])
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            dt = t1 - t0
             self.times.drafting += dt
-            if arrived.is_set():
-                bets.hidden = bets.hidden and not first
+            if arrived.at is not None:  # the verdict came during this step: the rest of it was not hidden
+                bets.late += t1 - max(t0, arrived.at)
             if due is not None and len(active) > 1:
                 left = max(gamma - len(b.tokens) + (b.root is None) for b in active) - 1
                 if time.perf_counter() + left * dt > due:

@@ -46,7 +46,7 @@ from .config import (
     GenerationConfig,
     TargetBackend,
 )
-from .drafting import Bets, Draft, Drafting
+from .drafting import Arrival, Bets, Draft, Drafting
 from .outcomes import (
     Branch,
     pick,
@@ -195,6 +195,7 @@ class HeadEngine:
                 on_tokens(emitted)
             if finished:
                 tally.pipelined_wasted += len(flights)  # sent ahead past the end: never collected
+                self._waste([flight, *flights])
                 break
             if flights and committed == flights[0].context and getattr(self.backend, "replays", 0) == replays:
                 self._went_on(tally, flight)  # the window sent on this outcome is already on its way
@@ -202,7 +203,7 @@ class HeadEngine:
             stale = len(flights)
             if stale:  # windows sent on an outcome that did not happen: their results will be skipped
                 tally.pipelined_wasted += stale
-                self.times.drafting_hidden_wasted += sum(f.bets.spent for f in flights if f.bets is not None and f.bets.hidden)
+                self._waste(flights)
                 flights.clear()
             if stale or (flight.drafts.tokens and not outcome.full):
                 epoch += 1
@@ -239,7 +240,7 @@ class HeadEngine:
         the outcome branches meanwhile and send the next window ahead when the pipeline has room."""
         rows = len(flight.drafts.tokens) + 1
         if self.overlap:
-            arrived = trio.Event()
+            arrived = Arrival()
             box: list[torch.Tensor | Exception] = []
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._collect_into, box, arrived, flight.epoch, rows)
@@ -256,7 +257,7 @@ class HeadEngine:
             self.times.waiting += time.perf_counter() - t_wait
         return logits, time.perf_counter() - flight.sent_at
 
-    async def _fly(self, flight: _Flight, later: deque[_Flight], produced: int, arrived: trio.Event) -> None:
+    async def _fly(self, flight: _Flight, later: deque[_Flight], produced: int, arrived: Arrival) -> None:
         """Draft while `flight` is out: the outcome branches of the newest window in flight, then (with room
         in the pipeline) its full-acceptance branch sent as the next window, and so on until the verdict."""
         while not arrived.is_set():
@@ -301,11 +302,15 @@ class HeadEngine:
 
     def _account(self, bets: Bets, chosen: Branch | None) -> None:
         """Hidden drafting of one trip: the chosen branch's share was used, the rest wasted."""
-        if not bets.hidden:
-            return
-        used = bets.cost[id(chosen)] if chosen is not None else 0.0
+        used = bets.hidden(chosen) if chosen is not None else 0.0
         self.times.drafting_hidden_used += used
-        self.times.drafting_hidden_wasted += bets.spent - used
+        self.times.drafting_hidden_wasted += bets.hidden() - used
+
+    def _waste(self, flights: Sequence[_Flight]) -> None:
+        """Windows whose outcomes will never be used (a lost bet, the end): their hidden drafting was wasted."""
+        for f in flights:
+            if f.bets is not None:
+                self._account(f.bets, None)
 
     def _count(self, tally: _Tally, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
@@ -351,7 +356,7 @@ class HeadEngine:
             settle(committed + drafts.tokens)  # drop the other branches from the draft's cache
         return drafts
 
-    async def _collect_into(self, box: list, arrived: trio.Event, epoch: int, rows: int) -> None:
+    async def _collect_into(self, box: list, arrived: Arrival, epoch: int, rows: int) -> None:
         """Collect the window's logits in a side task; a failure is handed back, not raised in the nursery."""
         try:
             box.append(await self.backend.collect(epoch=epoch, rows=rows))
