@@ -9,6 +9,7 @@ truncated away by the next window's commit (exactness would break otherwise).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import pytest
@@ -120,3 +121,34 @@ def test_pipeline_bounds() -> None:
         GenerationConfig(pipeline=5)
     with pytest.raises(ValueError, match="ahead_min"):
         GenerationConfig(ahead_min=1.5)
+
+
+class SlowDraft(ModelDrafter):
+    """A drafter whose every step takes `STEP_S` more: a draft that is slow next to the trip, so the
+    pre-drafting of a window runs until close to its verdict and the next window goes out just before it."""
+
+    STEP_S = 0.015
+
+    def propose(self, context, gamma):
+        time.sleep(self.STEP_S * gamma)
+        return super().propose(context, gamma)
+
+    def step_many(self, contexts):
+        time.sleep(self.STEP_S)
+        return super().step_many(contexts)
+
+
+def test_drafting_behind_trips_is_reported_hidden_in_the_pipeline(tiny_qwen2_root) -> None:
+    """A draft equal to the target: every window after the first is ready and most go out ahead, so almost
+    no drafting is on the critical path (at most the part of a step that a verdict overtakes). The bets of
+    a window sent ahead are drafted over two trips; they must not be reported as exposed when a verdict
+    lands during the first step of their second part."""
+    store = Store(tiny_qwen2_root / "store")
+    drafter = SlowDraft(store.load_full(), SamplingParams())
+    for prompt in PROMPTS:
+        result, _ = _run(store, drafter, prompt, 48, gamma=6)
+        t = result.times
+        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 48)
+        assert result.pipelined_rounds >= result.windows_after_prefill // 2, result.as_dict()
+        assert t.drafting_exposed <= 0.2 * t.drafting, t.as_dict()
+        assert t.drafting_hidden_used + t.drafting_hidden_wasted + t.drafting_exposed == pytest.approx(t.drafting)
