@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -146,8 +147,6 @@ def test_a_failed_run_is_counted_apart_and_never_enters_the_medians() -> None:
 
 def test_resume_reruns_a_prompt_whose_run_failed_in_every_mode() -> None:
     """A prompt with a failed run is not done, even though its earlier modes finished; untouched ones stay done."""
-    from types import SimpleNamespace
-
     runs = [_run("A", 1, "ar", 1.0, [1]), _run("A", 1, "sd", 2.0, [1]), _run("B", 1, "ar", 1.0, [1]),
             {"task_id": "B", "rep": 1, "mode": "sd", "prompt_tokens": 5, "error": "RouteError: x"}]
     opts, workload = SimpleNamespace(reps=2), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
