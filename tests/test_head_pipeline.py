@@ -56,8 +56,8 @@ def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
     return hf_greedy(AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval(), prompt, n)
 
 
-def _run(store: Store, drafter, prompt: list[int], n: int, **cfg_kw):
-    backend = SlowLocal(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
+def _run(store: Store, drafter, prompt: list[int], n: int, trip_s: float = TRIP_S, **cfg_kw):
+    backend = SlowLocal(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=trip_s)
     cfg = GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0, **cfg_kw)
     result = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt)
     return result, backend
@@ -125,9 +125,12 @@ def test_pipeline_bounds() -> None:
 
 class SlowDraft(ModelDrafter):
     """A drafter whose every step takes `STEP_S` more: a draft that is slow next to the trip, so the
-    pre-drafting of a window runs until close to its verdict and the next window goes out just before it."""
+    pre-drafting of a window runs until close to its verdict and the next window goes out just before it.
+    Its steps and the trip are long next to the tiny model's compute, so a busy CPU (a second test
+    worker) does not change which windows go ahead."""
 
-    STEP_S = 0.015
+    STEP_S = 0.03
+    TRIP_S = 0.5
 
     def propose(self, context, gamma):
         time.sleep(self.STEP_S * gamma)
@@ -146,7 +149,7 @@ def test_drafting_behind_trips_is_reported_hidden_in_the_pipeline(tiny_qwen2_roo
     store = Store(tiny_qwen2_root / "store")
     drafter = SlowDraft(store.load_full(), SamplingParams())
     for prompt in PROMPTS:
-        result, _ = _run(store, drafter, prompt, 48, gamma=6)
+        result, _ = _run(store, drafter, prompt, 48, trip_s=SlowDraft.TRIP_S, gamma=6)
         t = result.times
         assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 48)
         assert result.pipelined_rounds >= result.windows_after_prefill // 2, result.as_dict()

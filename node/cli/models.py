@@ -195,9 +195,9 @@ def prepare_with_progress(cache_arg: Path | None, dtype: str, *, keep_gguf: bool
         if step.did_work:
             timings = ", ".join(f"{k} {v:.1f}s" for k, v in step.seconds.items())
             removed = "; assembled GGUF removed (hash kept in marker)" if step.gguf_removed else ""
-            console.print(f"{step.model.role}: {step.model.model_id} prepared ({timings}){removed}", markup=False)
+            console.print(f"{step.model.role}: {step.model.model_id} prepared ({timings}){removed}", soft_wrap=True, markup=False)
     if not any(step.did_work for step in steps):
-        console.print(f"default model pair already prepared in {cache}: nothing to do", markup=False)
+        console.print(f"default model pair already prepared in {cache}: nothing to do", soft_wrap=True, markup=False)
     else:
         console.print(f"done in {time.perf_counter() - started:.1f}s")
     summaries = [(role, Store(path).summary()) for role, path in default_store_paths(cache, dtype).items()]
