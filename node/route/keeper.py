@@ -295,16 +295,19 @@ class RouteKeeper:
 
 @asynccontextmanager
 async def open_route_keeper(
-    node: P2PNode, legs: ReturnLegs, *, hops: list[Hop] | None = None, **options: Any
+    node: P2PNode, legs: ReturnLegs, *, hops: list[Hop] | None = None, prior: RoundPrior | None = None,
+    **options: Any
 ) -> AsyncIterator[RouteKeeper]:
     """A `RouteKeeper` (options as its constructor's) with a session open on `hops` (else on a fresh plan) for the block.
+
+    `prior` (with `hops`: from their plan, `plan_prior`) lets the session judge slow rounds from the start.
 
     The keeper's nursery holds its sessions' watchers; an error inside the block comes out as
     itself, not wrapped in an exception group.
     """
     async with owned_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
-        await keeper.open_first(*((hops, None) if hops else await keeper._plan()))
+        await keeper.open_first(*((hops, prior) if hops else await keeper._plan()))
         try:
             yield keeper
         finally:
