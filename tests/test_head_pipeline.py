@@ -129,8 +129,8 @@ class SlowDraft(ModelDrafter):
     Its steps and the trip are long next to the tiny model's compute, so a busy CPU (a second test
     worker) does not change which windows go ahead."""
 
-    STEP_S = 0.03
-    TRIP_S = 0.5
+    STEP_S = 0.06
+    TRIP_S = 1.0
 
     def propose(self, context, gamma):
         time.sleep(self.STEP_S * gamma)
