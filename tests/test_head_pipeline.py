@@ -126,8 +126,8 @@ def test_pipeline_bounds() -> None:
 class SlowDraft(ModelDrafter):
     """A drafter whose every step takes `STEP_S` more: a draft that is slow next to the trip, so the
     pre-drafting of a window runs until close to its verdict and the next window goes out just before it.
-    Its steps and the trip are long next to the tiny model's compute, so a busy CPU (a second test
-    worker) does not change which windows go ahead."""
+    Its steps and the trip are long next to the tiny model's compute, so a busy CPU does not change
+    which windows go ahead."""
 
     STEP_S = 0.06
     TRIP_S = 1.0

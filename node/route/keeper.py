@@ -295,19 +295,18 @@ class RouteKeeper:
 
 @asynccontextmanager
 async def open_route_keeper(
-    node: P2PNode, legs: ReturnLegs, *, hops: list[Hop] | None = None, prior: RoundPrior | None = None,
+    node: P2PNode, legs: ReturnLegs, *, hops: list[Hop] | None = None, avoid: frozenset[str] = frozenset(),
     **options: Any
 ) -> AsyncIterator[RouteKeeper]:
-    """A `RouteKeeper` (options as its constructor's) with a session open on `hops` (else on a fresh plan) for the block.
-
-    `prior` (with `hops`: from their plan, `plan_prior`) lets the session judge slow rounds from the start.
+    """A `RouteKeeper` (options as its constructor's) with a session open on `hops` (else on a fresh plan that
+    leaves out the peers in `avoid`; later failovers may use them) for the block.
 
     The keeper's nursery holds its sessions' watchers; an error inside the block comes out as
     itself, not wrapped in an exception group.
     """
     async with owned_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
-        await keeper.open_first(*((hops, prior) if hops else await keeper._plan()))
+        await keeper.open_first(*((hops, None) if hops else await keeper._plan(avoid)))
         try:
             yield keeper
         finally:
