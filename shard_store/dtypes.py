@@ -5,12 +5,9 @@ from __future__ import annotations
 import torch
 
 from .errors import StoreError
+from .manifest import STORE_DTYPES
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in STORE_DTYPES}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .dtypes import DTYPES
 from .errors import StoreError
 from .files import atomic_write_bytes, sha256_file
 
@@ -18,6 +17,9 @@ EMBED_FILE = "embed.safetensors"
 HEAD_FILE = "head.safetensors"
 LAYERS_DIR = "layers"
 TOKENIZER_DIR = "tokenizer"
+# The weight dtypes a store may hold, by name: here, without torch, so that reading a manifest or the
+# command line's choices loads no torch (dsd.shard_store.dtypes maps them to torch dtypes).
+STORE_DTYPES = ("float32", "bfloat16", "float16")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -97,8 +99,8 @@ class Manifest:
             raise StoreError(
                 f"manifest: format_version {data['format_version']} is not supported (expected {FORMAT_VERSION})"
             )
-        if data["dtype"] not in DTYPES:
-            raise StoreError(f"manifest: dtype {data['dtype']!r} is not one of {', '.join(DTYPES)}")
+        if data["dtype"] not in STORE_DTYPES:
+            raise StoreError(f"manifest: dtype {data['dtype']!r} is not one of {', '.join(STORE_DTYPES)}")
         for key in ("num_layers", "hidden_size", "vocab_size"):
             if data[key] <= 0:
                 raise StoreError(f"manifest: field {key!r} must be positive, got {data[key]}")

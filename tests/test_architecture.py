@@ -42,16 +42,29 @@ def test_a_wrong_way_import_breaks_a_contract(tmp_path):
     assert "BROKEN" in run.stdout
 
 
-def test_the_cli_offers_exactly_the_store_dtypes() -> None:
-    """`models prepare --dtype` spells the dtypes out (so --help loads no torch): they must match the store's."""
-    from dsd.node.cli.models import STORE_DTYPES
-    from dsd.shard_store.dtypes import DTYPES
+def loaded_libraries(code: str) -> list[str]:
+    """Which of torch, transformers and libp2p a fresh interpreter has loaded after running `code`."""
+    probe = f"{code}\nimport sys; print('loaded:', *[m for m in ('torch', 'transformers', 'libp2p') if m in sys.modules])"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.splitlines()[-1].split()[1:]
 
-    assert tuple(DTYPES) == STORE_DTYPES
+
+def test_help_loads_no_model_or_network_libraries() -> None:
+    """`dsd-node --help` answers without importing torch, transformers or libp2p (the commands import them)."""
+    assert loaded_libraries("from dsd.node.cli import build_parser; build_parser()") == []
 
 
-def test_help_loads_no_model_libraries() -> None:
-    """`dsd-node --help` must answer without importing torch or transformers (the commands import them)."""
-    code = "import sys; from dsd.node.cli import build_parser; build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.stdout.split() == ["False", "False"], run.stdout + run.stderr
+def test_testnet_down_and_status_load_no_model_or_network_libraries(tmp_path: Path, tiny_qwen2_store: Path) -> None:
+    """`testnet down` and `status` only read a state file and signal processes: no torch, no libp2p, so
+    every test's teardown and a user's `down` return in well under a second. Reading a store's manifest
+    (what `testnet up` does before it spawns the daemons) loads none of them either; the store's loaders do."""
+    from dsd.node.testnet.processes import TestnetState
+
+    TestnetState(bootstrap="/ip4/127.0.0.1/tcp/1", model="m", store=None, num_layers=2).save(tmp_path)
+    for action in ("down", "status"):
+        code = f"from dsd.node.cli import main; main(['testnet', '{action}', '--state', {str(tmp_path)!r}])"
+        assert loaded_libraries(code) == [], action
+    manifest = f"import dsd.node.testnet.swarm; from dsd.shard_store import Manifest; Manifest.read({str(tiny_qwen2_store)!r})"
+    assert loaded_libraries(manifest) == []
+    assert "torch" in loaded_libraries(f"from dsd.shard_store import Store; Store({str(tiny_qwen2_store)!r})")

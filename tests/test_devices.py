@@ -28,8 +28,9 @@ from dsd.node.head.drafters import ModelDrafter, check_quant_device
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
-from dsd.node.peer.daemon import DaemonConfig, blocks_that_fit, plan_layers
-from dsd.node.server.ledger import ServerLimits
+from dsd.node.peer.config import DaemonConfig
+from dsd.node.peer.serving import blocks_that_fit, plan_layers
+from dsd.node.server.limits import ServerLimits
 from dsd.protocol import ProtocolError, WireFormat, codec_for_dtype, decode_tensor
 from dsd.shard_store import Store, StoreError, convert
 from dsd.shard_store.devices import (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsd.node.peer.daemon import blocks_that_fit, parse_blocks
+from dsd.node.peer.config import parse_blocks
+from dsd.node.peer.serving import blocks_that_fit
 from dsd.shard_store import Store
 
 

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dsd.node.server.ledger import ServerLimits
+from dsd.node.server.limits import ServerLimits
 
 from .options import (
     DEFAULT_IDENTITY,
@@ -67,7 +67,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     import trio
 
     from dsd.node.fetch.fetch import FetchError
-    from dsd.node.peer.daemon import DaemonConfig, run_daemon
+    from dsd.node.peer.config import DaemonConfig
+    from dsd.node.peer.daemon import run_daemon
     from dsd.protocol import WireFormat
     from dsd.shard_store import StoreError
 

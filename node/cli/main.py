@@ -9,7 +9,9 @@ errors answer without loading them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 
 from . import daemon, demo, generate, models, serve, store, testnet, workers
@@ -51,5 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `dsd-node` program: `main`, then leave at once with its exit code.
+
+    When a command returns, its work is done: files written, sessions ended, records withdrawn.
+    Finalizing an interpreter that holds torch, transformers and libp2p would only delay the exit
+    by one to three seconds, which every `testnet down` (waiting for its daemons) and every
+    scripted `generate` would wait for; so flush what is buffered and skip it (os._exit).
+    An exception out of `main` takes the normal way out, with its traceback."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -24,12 +24,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from dsd.shard_store.manifest import STORE_DTYPES
+
 if TYPE_CHECKING:
     from dsd.shard_store.default_models import DefaultModel
 
-# The store dtypes `--dtype` offers, spelled out so `--help` needs no torch (tests check they match
-# dsd.shard_store.dtypes.DTYPES).
-STORE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(subparsers: Any) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsd.node.head.deadline import DeadlineRule
 from dsd.node.peer.shaper import LinkProfile
+from dsd.shard_store.manifest import STORE_DTYPES
 
 DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"
 
@@ -21,7 +22,7 @@ def add_wan_options(p: argparse.ArgumentParser) -> None:
 
 # Spelled out so `--help` loads no torch; tests check they match dsd.shard_store.devices.
 DEVICE_HELP = "auto|cpu|cuda|cuda:N|mps"
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", *STORE_DTYPES)
 
 
 def add_device_options(p: argparse.ArgumentParser) -> None:

@@ -196,7 +196,7 @@ def run_fetch(request, bootstrap: list[str], blocks: str | None, head: bool, *, 
     from dsd.node.fetch.fetch import Fetcher
     from dsd.node.fetch.plan import files_for
     from dsd.node.fetch.progress import fetch_progress
-    from dsd.node.peer.daemon import parse_blocks
+    from dsd.node.peer.config import parse_blocks
     from dsd.node.peer.host import head_node
 
     async def main() -> dict:

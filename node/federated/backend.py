@@ -35,7 +35,7 @@ from dsd.discovery.host import P2PNode
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.deadline import DeadlineRule, RoundTimes
 from dsd.node.head.sampling import SamplingParams
-from dsd.node.server.ledger import ServerLimits
+from dsd.node.server.limits import ServerLimits
 from dsd.protocol import (
     Ack,
     CloseSession,

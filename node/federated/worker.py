@@ -35,12 +35,12 @@ from dsd.node.head.sampling import SamplingParams, warp
 from dsd.node.server.ledger import (
     Ledger,
     Liveness,
-    ServerLimits,
     SessionError,
     measure_throughput,
     receive_within,
     watch_upstream,
 )
+from dsd.node.server.limits import ServerLimits
 from dsd.node.server.metrics import PeerMetrics, timed
 from dsd.protocol import (
     PROTOCOL_VERSION,

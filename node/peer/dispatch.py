@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 
 from dsd.discovery.framing import FramedStream
 from dsd.node.route.legs import ReturnLegs
-from dsd.node.server.block import BlockServer
 from dsd.node.server.metrics import PeerMetrics
 from dsd.protocol import Ack, Error, OpenSession, ProtocolError
+
+if TYPE_CHECKING:  # a head's dispatcher has no server: heads and bootstrap nodes load no torch for it
+    from dsd.node.server.block import BlockServer
 
 log = logging.getLogger(__name__)
 

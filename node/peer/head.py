@@ -25,7 +25,7 @@ from dsd.node.route.legs import ReturnLegs
 from dsd.protocol import Hop
 from dsd.shard_store import SpanModule, Store, StoreError
 
-from .daemon import parse_blocks
+from .config import parse_blocks
 from .host import head_node
 from .shaper import LinkProfile
 

@@ -49,12 +49,12 @@ from dsd.shard_store.dtypes import dtype_name
 from .ledger import (
     Ledger,
     Liveness,
-    ServerLimits,
     SessionError,
     measure_throughput,
     receive_within,
     watch_upstream,
 )
+from .limits import ServerLimits
 from .metrics import PeerMetrics, timed
 
 log = logging.getLogger(__name__)

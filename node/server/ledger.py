@@ -6,7 +6,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 import trio
 
@@ -15,29 +14,9 @@ from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import measure_rtt
 from dsd.protocol import Message
 
+from .limits import ServerLimits
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one block peer grants to the swarm; every limit is enforced per request.
-
-    A session whose upstream has been silent for `liveness_interval_s` is checked with a ping to it;
-    no pong within `liveness_timeout_s` ends the session (a frozen or vanished head or peer whose
-    connection never reset frees its state within about the sum, 10 s by default). An upstream that
-    answers pings but sends nothing ends the session after `idle_timeout_s`.
-    """
-
-    max_sessions: int = 32
-    max_sessions_per_peer: int = 8
-    kv_budget_tokens: int = 32768
-    max_len: int = 4096
-    max_window: int = 256
-    idle_timeout_s: float = 120.0
-    open_timeout_s: float = 30.0
-    send_timeout_s: float = 60.0
-    liveness_interval_s: float = 5.0
-    liveness_timeout_s: float = 5.0
 
 
 class SessionError(Exception):

@@ -29,7 +29,7 @@ from dsd.node.head.setup import (
     request_drafter,
 )
 from dsd.node.peer.head import load_head_span
-from dsd.node.server.ledger import ServerLimits
+from dsd.node.server.limits import ServerLimits
 from dsd.shard_store import SpanModule, Store
 from dsd.shard_store.devices import Placement
 from dsd.shard_store.dtypes import dtype_name

@@ -3,6 +3,9 @@
 One bring-up path for both kinds: start the bootstrap, spawn the daemons, wait for
 their ready files, save the state (so `down` works even if the wait fails), then wait
 until a head can use the swarm (a complete route, or every worker announced).
+
+This process reads manifests without torch and loads the network stack only to wait for the
+swarm, so `testnet up` spends its time in the daemons, and `down` and `status` return at once.
 """
 
 from __future__ import annotations
@@ -14,11 +17,8 @@ from pathlib import Path
 
 import trio
 
-from dsd.discovery.survey import wait_for_route
-from dsd.node.federated.pool import find_workers, pool_key
-from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
-from dsd.shard_store import Store
+from dsd.shard_store.manifest import Manifest
 
 from .processes import (
     PeerProcess,
@@ -124,7 +124,7 @@ def bring_up(spec: SwarmSpec) -> TestnetState:
         stores = spec.worker_stores or ([spec.store] if spec.store else [])
         if not stores:
             raise SwarmError("testnet up --federated needs --store (and optionally --store2) or --worker-stores")
-        vocabs = {str(s): int(Store(s).manifest.vocab_size) for s in stores}
+        vocabs = {str(s): int(Manifest.read(s).vocab_size) for s in stores}
         if len(set(vocabs.values())) != 1:
             raise SwarmError(f"federated workers must share the vocabulary, got {vocabs}")
     elif spec.store is None:
@@ -145,7 +145,7 @@ def bring_up(spec: SwarmSpec) -> TestnetState:
 def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:
     spec = launch.spec
     assert spec.store is not None
-    manifest = Store(spec.store).manifest
+    manifest = Manifest.read(spec.store)
     num_layers = int(manifest.num_layers)
     spans = even_spans(num_layers, spec.peers // spec.replicas)
     for i in range(spec.peers):
@@ -162,6 +162,8 @@ def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:
 
 
 def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: int) -> TestnetState:
+    from dsd.node.federated.pool import pool_key
+
     spec = launch.spec
     for i, store in enumerate(stores):
         extra = ["--topk-cap", str(spec.topk_cap)] if spec.topk_cap else []
@@ -178,6 +180,9 @@ def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: i
 
 
 async def _wait_workers(state: TestnetState, vocab: int, timeout_s: float) -> None:
+    from dsd.node.federated.pool import find_workers
+    from dsd.node.peer.host import head_node
+
     want = {p.peer_id for p in state.peers if p.role == "federated"}
     async with head_node([state.bootstrap]) as (node, _legs):
         with trio.move_on_after(timeout_s):
@@ -189,6 +194,9 @@ async def _wait_workers(state: TestnetState, vocab: int, timeout_s: float) -> No
 
 
 async def _wait_route(state: TestnetState, timeout_s: float) -> None:
+    from dsd.discovery.survey import wait_for_route
+    from dsd.node.peer.host import head_node
+
     async with head_node([state.bootstrap]) as (node, _legs):
         await wait_for_route(node, state.model or "", state.num_layers or 0, timeout_s)
 
