@@ -15,9 +15,11 @@ import contextlib
 import copy
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -173,9 +175,71 @@ def tiny_store(request: pytest.FixtureRequest) -> Callable[[str], Path]:
     return get
 
 
+class ForkServer:
+    """The session's fork server (tests/forkserver.py): `dsd-node` commands as processes of their own,
+    forked from one interpreter that imported torch, transformers and libp2p once."""
+
+    _session: ForkServer | None = None
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.replies: queue.Queue[dict | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        if self.replies.get(timeout=300) != {"ready": True}:
+            raise RuntimeError("the fork server did not start (see stderr)")
+
+    @classmethod
+    def session(cls) -> ForkServer:
+        if cls._session is None or cls._session.proc.poll() is not None:
+            cls._session = cls()
+        return cls._session
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.replies.put(json.loads(line))
+        self.replies.put(None)
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run `dsd-node ARGV` in a forked child; its output and exit code, or TimeoutExpired (the child killed)."""
+        import tempfile
+
+        assert self.proc.stdin is not None
+        cmd = ["dsd-node", *argv]
+        with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            started = self.replies.get(timeout=60)
+            assert started is not None, "the fork server died"
+            try:
+                done = self.replies.get(timeout=timeout)
+            except queue.Empty:
+                os.kill(started["pid"], signal.SIGKILL)
+                self.replies.get(timeout=60)
+                raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(errors="replace"),
+                                                stderr=err.read_text(errors="replace")) from None
+            assert done is not None, "the fork server died"
+            return subprocess.CompletedProcess(cmd, done["returncode"], out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if ForkServer._session is not None:
+        ForkServer._session.close()
+
+
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `dsd-node ARGS` as a subprocess of this interpreter (what a user's shell would run)."""
-    return subprocess.run([sys.executable, "-m", "dsd.node.cli", *args], capture_output=True, text=True, timeout=timeout)
+    """Run `dsd-node ARGS` in a process of its own, as a user's shell would (forked from the session's
+    fork server, so it skips the imports; see tests/forkserver.py)."""
+    return ForkServer.session().run(list(args), timeout)
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

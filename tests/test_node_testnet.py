@@ -57,7 +57,30 @@ def test_testnet_state_and_status(testnet: dict) -> None:
     peers = [p for p in testnet["peers"] if p["role"] == "block"]
     assert sorted((p["start"], p["end"]) for p in peers) == [(0, 2), (2, 4), (4, 5)]
     assert all(p["alive"] for p in testnet["peers"])
+    assert all(p["started"] for p in testnet["peers"])  # what `down` checks before it signals a pid
     assert testnet["bootstrap"].startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in testnet["bootstrap"]
+
+
+def test_down_signals_a_pid_only_when_its_start_time_is_the_recorded_one() -> None:
+    """A pid from an old state may belong to another process by now: stop_processes leaves it alone unless the
+    process started when the recorded one did (forked daemons share their parent's command line, so the start
+    time is the check)."""
+    import subprocess
+
+    from dsd.node.testnet.processes import PeerProcess, pid_alive, process_start, stop_processes
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        started = process_start(other.pid)
+        assert started is not None
+        stale = PeerProcess("peer0", other.pid, "", started=started - 1)
+        assert stop_processes([stale], timeout_s=1) == {other.pid: "not running"}
+        assert pid_alive(other.pid)
+        ours = PeerProcess("peer0", other.pid, "", started=started)
+        assert stop_processes([ours], timeout_s=10) == {other.pid: "terminated"}
+        assert not pid_alive(other.pid)
+    finally:
+        other.kill()
 
 
 def test_route_json_lists_every_peer_and_a_complete_route(testnet: dict) -> None:

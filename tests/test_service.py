@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from conftest import cli_serve, cli_testnet, hf_greedy, save_tiny_model, tiny_tokenizer
-from dsd.node.testnet.processes import stop_processes, tail
+from dsd.node.testnet.processes import PeerProcess, stop_processes, tail
 from dsd.shard_store import Store, convert
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
@@ -334,7 +334,7 @@ def test_metrics_parse_and_count_the_requests(server: dict) -> None:
 def test_no_route_answers_503_naming_the_missing_blocks(server: dict, swarm: dict) -> None:
     """Last: stops the peer serving blocks 3:5 of the shared testnet."""
     last = next(p for p in block_peers(swarm) if p["start"] == 3)
-    stop_processes([last["pid"]])
+    stop_processes([PeerProcess.from_dict(last)])
     with pytest.raises(openai.InternalServerError) as info:
         client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert info.value.status_code == 503 and info.value.code == "no_route"

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import cli_serve, cli_testnet
-from dsd.node.testnet.processes import stop_processes
+from dsd.node.testnet.processes import PeerProcess, stop_processes
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
@@ -186,7 +186,7 @@ def test_page_shows_a_stopped_peer_dead_and_its_layers_uncovered(chromium: str, 
                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     """Last: stops the peer serving blocks 3:5."""
     last = next(p for p in block_peers(swarm) if p["start"] == 3)
-    stop_processes([last["pid"]])
+    stop_processes([PeerProcess.from_dict(last)])
     profile = tmp_path_factory.mktemp("chromium_dead")
 
     def shows_dead(dom: Dom) -> bool:

@@ -46,14 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
 
 
-def run() -> None:
+def run(argv: list[str] | None = None) -> None:
     """The `dsd-node` program: `main`, then leave at once with its exit code.
 
     When a command returns, its work is done: files written, sessions ended, records withdrawn.
@@ -61,7 +61,7 @@ def run() -> None:
     by one to three seconds, which every `testnet down` (waiting for its daemons) and every
     scripted `generate` would wait for; so flush what is buffered and skip it (os._exit).
     An exception out of `main` takes the normal way out, with its traceback."""
-    code = main()
+    code = main(argv)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

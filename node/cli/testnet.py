@@ -57,7 +57,7 @@ def spec_of(args: argparse.Namespace):
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
         codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
-        device=args.device, dtype=args.dtype, metrics=args.metrics,
+        device=args.device, dtype=args.dtype, metrics=args.metrics, fork=True,
     )
 
 
@@ -98,7 +98,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     state = _load(args.state)
     if state is None:
         return 1
-    outcome = stop_processes([p.pid for p in reversed(state.peers)])
+    outcome = stop_processes(list(reversed(state.peers)))
     for p in state.peers:
         print(f"{p.name:10s} pid {p.pid}: {outcome.get(p.pid, 'unknown')}")
     return 0

@@ -126,5 +126,5 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
         trio.run(main)
     finally:
         say("== stopping the testnet")
-        stop_processes([p.pid for p in reversed(state.peers)])
+        stop_processes(list(reversed(state.peers)))
     return DemoResult(t0, latency_ms, spec.peers, task_id, reports)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dsd.shard_store.files import atomic_write_bytes
@@ -37,6 +40,12 @@ class PeerProcess:
     end: int | None = None
     role: str = "block"
     metrics_url: str | None = None  # with `testnet up --metrics`: its Prometheus endpoint
+    started: int | None = None  # the kernel's start time of the process (clock ticks): tells it from a reused pid
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PeerProcess:
+        """From its saved or reported form (`testnet.json`, `testnet status --json`; extra keys ignored)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass
@@ -61,7 +70,7 @@ class TestnetState:
         if not path.exists():
             raise FileNotFoundError(f"no testnet at {state_dir} ({STATE_FILE} is missing); run `dsd-node testnet up` first")
         data = json.loads(path.read_text())
-        data["peers"] = [PeerProcess(**p) for p in data.get("peers", [])]
+        data["peers"] = [PeerProcess.from_dict(p) for p in data.get("peers", [])]
         return cls(**data)
 
 
@@ -83,11 +92,16 @@ def daemon_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dsd.node.cli", "-v", *args]
 
 
-def spawn(name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None) -> PeerProcess:
-    """Start one daemon in its own process group with its log in DIR/logs/NAME.log."""
+def log_path_of(state_dir: Path, name: str) -> Path:
+    """DIR/logs/NAME.log, the daemon's stdout and stderr (its folder created)."""
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{name}.log"
+    return logs / f"{name}.log"
+
+
+def spawn(name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None) -> PeerProcess:
+    """Start one daemon in its own process group with its log in DIR/logs/NAME.log."""
+    log_path = log_path_of(state_dir, name)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             daemon_command(*args),
@@ -97,7 +111,54 @@ def spawn(name: str, args: list[str], state_dir: Path, env: dict[str, str] | Non
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-    return PeerProcess(name=name, pid=proc.pid, log=str(log_path))
+    return PeerProcess(name=name, pid=proc.pid, log=str(log_path), started=process_start(proc.pid))
+
+
+def preload_daemon_imports(family_module: str | None = None) -> None:
+    """Import what a serving daemon loads (torch, libp2p, the servers, the model family's transformers module),
+    so that daemons forked from this process (`fork_daemon`) start without 5-9 s of imports each."""
+    import importlib
+
+    for name in ("dsd.node.cli.main", "dsd.node.peer.daemon", "dsd.node.peer.serving", family_module):
+        if name:
+            importlib.import_module(name)
+
+
+def fork_daemon(name: str, args: list[str], state_dir: Path) -> PeerProcess:
+    """Start one daemon as a fork of this process, in its own session, its log in DIR/logs/NAME.log: `spawn`
+    without the imports (see `preload_daemon_imports`). Only from a process that has started no thread,
+    event loop or torch computation yet (Linux: a fork copies only the calling thread)."""
+    log_path = log_path_of(state_dir, name)
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child's log
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        _run_forked(log_path, ["-v", *args])
+    return PeerProcess(name=name, pid=pid, log=str(log_path), started=process_start(pid))
+
+
+def _run_forked(log_path: Path, argv: list[str]) -> None:
+    """In the forked child: detach, write to the log, run `dsd-node ARGV`; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.closerange(3, 65536)  # nothing of the parent's (its pipes, its sockets) stays open in the daemon
+        from dsd.node.cli.main import run
+
+        run(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def wait_ready(ready_file: Path, proc: PeerProcess, timeout_s: float) -> dict:
@@ -128,19 +189,34 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def is_our_daemon(pid: int) -> bool:
-    """Guard against signalling a reused pid: the process must be a dsd daemon."""
+def process_start(pid: int) -> int | None:
+    """The kernel's start time of process `pid` in clock ticks since boot (None when it is gone)."""
     try:
-        return b"dsd.node.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().split(")")[-1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_our_daemon(proc: PeerProcess) -> bool:
+    """Guard against signalling a reused pid: the process started when ours did (or, for a state written
+    without start times, runs dsd-node)."""
+    if proc.started is not None:
+        return process_start(proc.pid) == proc.started
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"dsd.node.cli" in cmdline or b"dsd-node" in cmdline
 
 
-def stop_processes(pids: list[int], timeout_s: float = 15.0) -> dict[int, str]:
-    """SIGTERM each daemon, SIGKILL what is left after the deadline; returns how each ended."""
+def stop_processes(procs: Sequence[PeerProcess | int], timeout_s: float = 15.0) -> dict[int, str]:
+    """SIGTERM each daemon, SIGKILL what is left after the deadline; returns how each ended, by pid.
+    A bare pid is taken for a daemon started as `dsd-node` (its command line says so)."""
     outcome: dict[int, str] = {}
-    for pid in pids:
-        if pid_alive(pid) and is_our_daemon(pid):
+    ours = {p.pid: p for p in (q if isinstance(q, PeerProcess) else PeerProcess(str(q), q, "") for q in procs)}
+    for pid, proc in ours.items():
+        if pid_alive(pid) and is_our_daemon(proc):
             os.kill(pid, signal.SIGTERM)
             outcome[pid] = "terminated"
         else:
@@ -150,7 +226,7 @@ def stop_processes(pids: list[int], timeout_s: float = 15.0) -> dict[int, str]:
         _reap()
         time.sleep(0.1)
     for pid in outcome:
-        if pid_alive(pid) and is_our_daemon(pid):
+        if pid_alive(pid) and is_our_daemon(ours[pid]):
             os.kill(pid, signal.SIGKILL)
             outcome[pid] = "killed"
     _reap()

@@ -24,7 +24,9 @@ from .processes import (
     PeerProcess,
     TestnetState,
     even_spans,
+    fork_daemon,
     pid_alive,
+    preload_daemon_imports,
     spawn,
     stop_processes,
     wait_ready,
@@ -55,6 +57,9 @@ class SwarmSpec:
     device: str = "auto"  # every daemon's --device (one GPU can hold several peers' spans)
     dtype: str = "auto"  # every daemon's --dtype
     metrics: bool = False  # every daemon serves its Prometheus metrics on a free loopback port
+    # Fork the daemons after the bootstrap from this process, which imports what they load once, instead of
+    # starting each as a new interpreter: only for a caller that has run no thread, event loop or torch yet.
+    fork: bool = False
 
 
 def prepare_state_dir(state_dir: Path) -> Path:
@@ -86,16 +91,21 @@ class _Launch:
         return max(1.0, self.spec.timeout_s - (time.monotonic() - self.t0))
 
     def spawn(self, name: str, args: list[str]) -> PeerProcess:
+        """Start one daemon: forked from this process after the bootstrap with `fork`, else a new interpreter."""
         common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
                   "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args(),
                   "--device", self.spec.device, "--dtype", self.spec.dtype,
                   *(["--metrics-port", "0"] if self.spec.metrics else [])]
-        proc = spawn(name, [*args, *common], self.spec.state)
+        start = fork_daemon if self.spec.fork and self.started else spawn
+        proc = start(name, [*args, *common], self.spec.state)
         self.started.append(proc)
         return proc
 
     def bootstrap(self) -> PeerProcess:
+        """Start the bootstrap node (light: no torch) and, while it starts, import what forked daemons load."""
         boot = self.spawn("bootstrap", ["start", "--bootstrap-only"])
+        if self.spec.fork:
+            preload_daemon_imports(_family_module(self.spec))
         info = wait_ready(self.ready_dir / "bootstrap.json", boot, self.left())
         boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
         boot.metrics_url = info.get("metrics_url")
@@ -138,8 +148,19 @@ def bring_up(spec: SwarmSpec) -> TestnetState:
             return _up_workers(launch, boot, stores, next(iter(vocabs.values())))
         return _up_blocks(launch, boot)
     except BaseException:
-        stop_processes([p.pid for p in reversed(launch.started)])
+        stop_processes(list(reversed(launch.started)))
         raise
+
+
+def _family_module(spec: SwarmSpec) -> str | None:
+    """The transformers module of the served model's family (None when the manifest does not say one we know)."""
+    from dsd.shard_store.families import FAMILIES
+
+    store = spec.store or (spec.worker_stores[0] if spec.worker_stores else None)
+    if store is None:
+        return None
+    adapter = FAMILIES.get(Manifest.read(store).family)
+    return adapter.module if adapter else None
 
 
 def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:

@@ -1,0 +1,88 @@
+"""A fork server for the tests' `cli()`: `dsd-node` commands in their own processes, without their imports.
+
+A `dsd-node generate` spends 5-9 s of CPU importing torch, transformers and libp2p before it does
+anything, and the suite runs dozens of commands. This server imports them once and forks a child per
+command: the child is a real, separate `dsd-node` process (its own pid, files, sockets and exit code;
+it starts from the state a fresh interpreter has after those imports, since the server runs nothing
+else), and leaves through `dsd.node.cli.run`. Its output goes to files the caller reads.
+
+Protocol on the server's stdin/stdout, one JSON object a line: the caller sends
+{"argv", "cwd", "env", "stdout", "stderr"}; the server answers {"pid"} at once and
+{"pid", "returncode"} when the child has ended (killed children included).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+
+# What `dsd-node` commands load; imported before the first fork. Nothing here starts a thread.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "libp2p",
+    "dsd.node.cli.main",
+    "dsd.node.peer.host",
+    "dsd.node.peer.serving",
+    "dsd.node.head.engine",
+    "dsd.node.route.backend",
+    "dsd.shard_store.store",
+)
+
+
+def _child(request: dict) -> None:
+    """In the forked child: take the request's files, directory, environment and arguments; run the program."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["dsd-node", *request["argv"]]
+        from dsd.node.cli.main import run
+
+        run()  # leaves with os._exit
+    except SystemExit as exc:  # argparse's errors and --help
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> None:
+    """Preload, then run each requested command in a forked child, one at a time, until stdin closes."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        _reply({"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        _reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    serve()
