@@ -209,7 +209,8 @@ class ForkServer:
         cmd = ["dsd-node", *argv]
         with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "stdout": str(out), "stderr": str(err)}
+            request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "stdout": str(out), "stderr": str(err),
+                       "daemon": False}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             started = self.replies.get(timeout=60)
@@ -224,6 +225,21 @@ class ForkServer:
             assert done is not None, "the fork server died"
             return subprocess.CompletedProcess(cmd, done["returncode"], out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
+
+    def start(self, name: str, argv: list[str], state: Path):
+        """Start the daemon `dsd-node -v ARGV` in a forked child of its own session, its log in STATE/logs/NAME.log
+        (`dsd.node.testnet.processes.spawn` without the imports); its process, which `stop_processes` stops."""
+        from dsd.node.testnet.processes import PeerProcess, log_path_of, process_start
+
+        assert self.proc.stdin is not None
+        log = str(log_path_of(state, name))
+        request = {"argv": ["-v", *argv], "cwd": os.getcwd(), "env": dict(os.environ), "stdout": log, "stderr": log,
+                   "daemon": True}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        started = self.replies.get(timeout=60)
+        assert started is not None, "the fork server died"
+        return PeerProcess(name=name, pid=started["pid"], log=log, started=process_start(started["pid"]))
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -286,16 +302,17 @@ def cli_testnet(state: Path, *args: str) -> Iterator[dict]:
 def cli_serve(state: Path, bootstrap: str, store: Path | None, *args: str) -> Iterator[dict]:
     """`dsd-node serve` on a free port for the block (ready file and log in STATE); yields its ready info + log.
     `store` None: ARGS say where the target comes from (`--model ... --manifest-sha256 ...`)."""
-    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+    from dsd.node.testnet.processes import stop_processes, wait_ready
 
     target = [] if store is None else ["--store", str(store)]
-    proc = spawn("serve", ["serve", "--bootstrap", bootstrap, *target, "--port", "0",
-                           "--ready-file", str(state / "serve.json"), "--threads", "1", *args], state)
+    proc = ForkServer.session().start("serve", ["serve", "--bootstrap", bootstrap, *target, "--port", "0",
+                                                "--ready-file", str(state / "serve.json"), "--threads", "1", *args],
+                                      state)
     try:
         info = wait_ready(state / "serve.json", proc, 120)
         yield {**info, "log": proc.log}
     finally:
-        stop_processes([proc.pid])
+        stop_processes([proc])
         print(f"serve log: {proc.log}")
 
 
@@ -316,19 +333,18 @@ class DaemonSwarm:
 
     def spawn(self, name: str, *args: str):
         """Start `dsd-node start ARGS` as NAME without waiting (`ready` waits): several daemons start at once."""
-        from dsd.node.testnet.processes import spawn
-
-        proc = spawn(name, ["start", *args, "--identity", str(self.state / f"{name}.key"),
-                            "--ready-file", str(self.state / f"{name}.json")], self.state)
+        proc = ForkServer.session().start(name, ["start", *args, "--identity", str(self.state / f"{name}.key"),
+                                                 "--ready-file", str(self.state / f"{name}.json")], self.state)
         self.procs.append(proc)
         return proc
 
     def ready(self, proc) -> dict:
-        """A spawned daemon's ready info (peer_id, addrs, its span...) with its pid and log, once it serves."""
+        """A spawned daemon's ready info (peer_id, addrs, its span...) with its name, pid, start time and log,
+        once it serves (`PeerProcess.from_dict` of it is what `stop_processes` takes)."""
         from dsd.node.testnet.processes import wait_ready
 
         info = wait_ready(self.state / f"{proc.name}.json", proc, 120)
-        return {**info, "pid": proc.pid, "log": proc.log}
+        return {**info, "name": proc.name, "pid": proc.pid, "started": proc.started, "log": proc.log}
 
     def start(self, name: str, *args: str) -> dict:
         return self.ready(self.spawn(name, *args))
@@ -356,7 +372,7 @@ class DaemonSwarm:
     def stop(self) -> None:
         from dsd.node.testnet.processes import stop_processes
 
-        stop_processes([p.pid for p in reversed(self.procs)])
+        stop_processes(list(reversed(self.procs)))
 
 
 # --- raw frames and streams, as a hostile client sends them ---------------------------------------

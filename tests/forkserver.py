@@ -7,8 +7,10 @@ it starts from the state a fresh interpreter has after those imports, since the 
 else), and leaves through `dsd.node.cli.run`. Its output goes to files the caller reads.
 
 Protocol on the server's stdin/stdout, one JSON object a line: the caller sends
-{"argv", "cwd", "env", "stdout", "stderr"}; the server answers {"pid"} at once and
-{"pid", "returncode"} when the child has ended (killed children included).
+{"argv", "cwd", "env", "stdout", "stderr", "daemon"}; the server answers {"pid"} at once and, for a
+command (not a daemon), {"pid", "returncode"} when the child has ended (killed children included).
+A daemon (`dsd-node start`, `serve`) runs in a session of its own, appending to its log; the server
+reaps it whenever it has ended, and its caller stops it like any daemon.
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ def _child(request: dict) -> None:
     """In the forked child: take the request's files, directory, environment and arguments; run the program."""
     code = 1
     try:
+        if request["daemon"]:
+            os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["daemon"] else os.O_TRUNC)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            os.dup2(os.open(path, mode, 0o644), fd)
+        os.closerange(3, 65536)  # the server's pipes stay out of the child
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -80,8 +86,19 @@ def serve() -> None:
         if pid == 0:
             _child(request)
         _reply({"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        if not request["daemon"]:
+            _, status = os.waitpid(pid, 0)
+            _reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        _reap_daemons()
+
+
+def _reap_daemons() -> None:
+    """Collect ended daemons, so that none lingers as a zombie."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
 
 
 if __name__ == "__main__":

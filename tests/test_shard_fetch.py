@@ -36,7 +36,7 @@ from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import PieceBoard, files_for
 from dsd.node.fetch.serve import ShardServer
 from dsd.node.peer.host import head_node
-from dsd.node.testnet.processes import pid_alive, stop_processes
+from dsd.node.testnet.processes import PeerProcess, pid_alive, stop_processes
 from dsd.protocol import (
     Error,
     FileChunk,
@@ -198,7 +198,7 @@ def test_a_newcomer_fetches_only_its_span_joins_the_route_and_generates_exactly(
     head = Store(tiny8 / "store").manifest
     assert tree(state / "head" / MODEL / sha[:16]) == {"manifest.json", "fetched.json", "embed.safetensors",
                                                        "head.safetensors", *head.tokenizer_files}
-    stop_processes([info["pid"]])
+    stop_processes([PeerProcess.from_dict(info)])
 
 
 @pytest.mark.parametrize("command", [["start", "--blocks", "4:8"], ["store", "fetch", "--blocks", "4:8"],
@@ -303,7 +303,7 @@ def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swar
 
         report = trio.run(main)
     finally:
-        stop_processes([victim.pid, other.pid])
+        stop_processes([victim, other])
     assert killed, "the victim never reached a second file"
     files = report["files"]
     sent_by_victim = report["peers"][victim_id]["bytes"]

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for module in COMMAND_MODULES:
         module.register(sub)
+    # The program itself, for a command that starts copies of it (`testnet up` forks its daemons into it).
+    parser.set_defaults(program=run)
     return parser
 
 

@@ -57,7 +57,7 @@ def spec_of(args: argparse.Namespace):
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
         codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
-        device=args.device, dtype=args.dtype, metrics=args.metrics, fork=True,
+        device=args.device, dtype=args.dtype, metrics=args.metrics, fork_program=args.program,
     )
 
 

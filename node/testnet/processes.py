@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -119,26 +119,27 @@ def preload_daemon_imports(family_module: str | None = None) -> None:
     so that daemons forked from this process (`fork_daemon`) start without 5-9 s of imports each."""
     import importlib
 
-    for name in ("dsd.node.cli.main", "dsd.node.peer.daemon", "dsd.node.peer.serving", family_module):
+    for name in ("dsd.node.peer.daemon", "dsd.node.peer.serving", family_module):
         if name:
             importlib.import_module(name)
 
 
-def fork_daemon(name: str, args: list[str], state_dir: Path) -> PeerProcess:
-    """Start one daemon as a fork of this process, in its own session, its log in DIR/logs/NAME.log: `spawn`
-    without the imports (see `preload_daemon_imports`). Only from a process that has started no thread,
-    event loop or torch computation yet (Linux: a fork copies only the calling thread)."""
+def fork_daemon(name: str, args: list[str], state_dir: Path, program: Callable[[list[str]], None]) -> PeerProcess:
+    """Start one daemon as a fork of this process running `program(["-v", *args])` (the `dsd-node` program,
+    which ends the process), in its own session, its log in DIR/logs/NAME.log: `spawn` without the imports
+    (see `preload_daemon_imports`). Only from a process that has started no thread, event loop or torch
+    computation yet (Linux: a fork copies only the calling thread)."""
     log_path = log_path_of(state_dir, name)
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child's log
         stream.flush()
     pid = os.fork()
     if pid == 0:
-        _run_forked(log_path, ["-v", *args])
+        _run_forked(log_path, program, ["-v", *args])
     return PeerProcess(name=name, pid=pid, log=str(log_path), started=process_start(pid))
 
 
-def _run_forked(log_path: Path, argv: list[str]) -> None:
-    """In the forked child: detach, write to the log, run `dsd-node ARGV`; never returns."""
+def _run_forked(log_path: Path, program: Callable[[list[str]], None], argv: list[str]) -> None:
+    """In the forked child: detach, write to the log, run `program(argv)`; never returns."""
     code = 1
     try:
         os.setsid()
@@ -147,9 +148,7 @@ def _run_forked(log_path: Path, argv: list[str]) -> None:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.closerange(3, 65536)  # nothing of the parent's (its pipes, its sockets) stays open in the daemon
-        from dsd.node.cli.main import run
-
-        run(argv)
+        program(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -57,9 +57,10 @@ class SwarmSpec:
     device: str = "auto"  # every daemon's --device (one GPU can hold several peers' spans)
     dtype: str = "auto"  # every daemon's --dtype
     metrics: bool = False  # every daemon serves its Prometheus metrics on a free loopback port
-    # Fork the daemons after the bootstrap from this process, which imports what they load once, instead of
-    # starting each as a new interpreter: only for a caller that has run no thread, event loop or torch yet.
-    fork: bool = False
+    # The `dsd-node` program (`run(argv)`) to fork the daemons after the bootstrap into: this process imports
+    # what they load once, instead of each starting a new interpreter. Only for a caller that has run no
+    # thread, event loop or torch yet (the CLI's `testnet up`); None: every daemon is a new interpreter.
+    fork_program: Callable[[list[str]], None] | None = None
 
 
 def prepare_state_dir(state_dir: Path) -> Path:
@@ -91,20 +92,23 @@ class _Launch:
         return max(1.0, self.spec.timeout_s - (time.monotonic() - self.t0))
 
     def spawn(self, name: str, args: list[str]) -> PeerProcess:
-        """Start one daemon: forked from this process after the bootstrap with `fork`, else a new interpreter."""
+        """Start one daemon: forked from this process after the bootstrap with `fork_program`, else a new interpreter."""
         common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
                   "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args(),
                   "--device", self.spec.device, "--dtype", self.spec.dtype,
                   *(["--metrics-port", "0"] if self.spec.metrics else [])]
-        start = fork_daemon if self.spec.fork and self.started else spawn
-        proc = start(name, [*args, *common], self.spec.state)
+        program = self.spec.fork_program
+        if program is not None and self.started:
+            proc = fork_daemon(name, [*args, *common], self.spec.state, program)
+        else:
+            proc = spawn(name, [*args, *common], self.spec.state)
         self.started.append(proc)
         return proc
 
     def bootstrap(self) -> PeerProcess:
         """Start the bootstrap node (light: no torch) and, while it starts, import what forked daemons load."""
         boot = self.spawn("bootstrap", ["start", "--bootstrap-only"])
-        if self.spec.fork:
+        if self.spec.fork_program is not None:
             preload_daemon_imports(_family_module(self.spec))
         info = wait_ready(self.ready_dir / "bootstrap.json", boot, self.left())
         boot.peer_id, boot.multiaddr, boot.role = info["peer_id"], info["addrs"][0], "bootstrap"
