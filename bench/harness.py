@@ -153,7 +153,7 @@ def swarm(spec: Any) -> Iterator[Any]:
     try:
         yield state
     finally:
-        stop_processes([p.pid for p in reversed(state.peers)])
+        stop_processes(list(reversed(state.peers)))
 
 
 def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *,

@@ -252,6 +252,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         ForkServer._session.close()
 
 
+def daemon(name: str, args: list[str], state: Path):
+    """`dsd-node -v ARGS` as a daemon of its own (`dsd.node.testnet.processes.spawn`, forked from the session's
+    fork server): log in STATE/logs/NAME.log; its process, for `wait_ready` and `stop_processes`."""
+    return ForkServer.session().start(name, args, state)
+
+
 def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run `dsd-node ARGS` in a process of its own, as a user's shell would (forked from the session's
     fork server, so it skips the imports; see tests/forkserver.py)."""

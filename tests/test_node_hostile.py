@@ -16,11 +16,11 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import DaemonSwarm, raw_exchange, raw_frame, read_frames
+from conftest import DaemonSwarm, daemon, raw_exchange, raw_frame, read_frames
 from dsd.node.peer.host import head_node
 from dsd.node.route.errors import RouteError
 from dsd.node.route.session import RouteSession, open_route_session
-from dsd.node.testnet.processes import pid_alive, spawn, stop_processes, wait_ready
+from dsd.node.testnet.processes import pid_alive, stop_processes, wait_ready
 from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, encode, encode_tensor
 from dsd.protocol import Forward as Fwd
 from dsd.protocol.ids import INFER_PROTOCOL
@@ -284,7 +284,7 @@ def test_allow_list_refuses_strangers(tiny_qwen2_root: Path, tmp_path: Path) -> 
     friend = peer_id_of(load_or_create_identity(friend_key))
     allow = tmp_path / "allow.txt"
     allow.write_text(f"# only this friend\n{friend}\n")
-    p = spawn("private", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
+    p = daemon("private", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
                           "--identity", str(tmp_path / "k.key"), "--ready-file", str(tmp_path / "r.json"),
                           "--threads", "1", "--allow-peers", str(allow)], tmp_path)
     head = Store(tiny_qwen2_root / "store").load_head()
@@ -316,7 +316,7 @@ def test_allow_list_refuses_strangers(tiny_qwen2_root: Path, tmp_path: Path) -> 
         assert not any(friend in line and "not in allow_peers" in line for line in _log_tails(p.log))
         assert pid_alive(p.pid)
     finally:
-        stop_processes([p.pid])
+        stop_processes([p])
 
 
 def test_sigterm_shuts_down_cleanly(peer: dict) -> None:

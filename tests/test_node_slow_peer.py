@@ -12,20 +12,21 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from conftest import daemon
 from dsd.discovery.survey import survey
 from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
 from dsd.node.route.keeper import open_route_keeper
-from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+from dsd.node.testnet.processes import stop_processes, wait_ready
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
 
 
 def test_planner_avoids_slow_peers(tiny_qwen2_root: Path, tmp_path: Path) -> None:
-    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(tmp_path / "b.key"),
+    boot = daemon("bootstrap", ["start", "--bootstrap-only", "--identity", str(tmp_path / "b.key"),
                                "--ready-file", str(tmp_path / "b.json")], tmp_path)
     procs = [boot]
     try:
@@ -34,7 +35,7 @@ def test_planner_avoids_slow_peers(tiny_qwen2_root: Path, tmp_path: Path) -> Non
                "fast": ["--wan-latency-ms", "10", "--wan-jitter-ms", "5"],
                "slow2": ["--wan-latency-ms", "250", "--wan-jitter-ms", "5"]}
         for name, opts in wan.items():
-            procs.append(spawn(name, ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
+            procs.append(daemon(name, ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
                                       "--bootstrap", bootstrap, "--identity", str(tmp_path / f"{name}.key"),
                                       "--ready-file", str(tmp_path / f"{name}.json"), "--threads", "1", *opts], tmp_path))
         ids = {p.name: wait_ready(tmp_path / f"{p.name}.json", p, 120)["peer_id"] for p in procs[1:]}
@@ -53,7 +54,7 @@ def test_planner_avoids_slow_peers(tiny_qwen2_root: Path, tmp_path: Path) -> Non
         assert view.rtts[ids["fast"]] < 0.06, view.rtts
         assert [h.peer_id for h in view.plan.hops] == [ids["fast"]]
     finally:
-        stop_processes([p.pid for p in reversed(procs)])
+        stop_processes(list(reversed(procs)))
 
 
 def test_peer_slow_on_windows_is_replaced_by_a_faster_replica(tiny_qwen2_root: Path, tmp_path: Path) -> None:
@@ -62,7 +63,7 @@ def test_peer_slow_on_windows_is_replaced_by_a_faster_replica(tiny_qwen2_root: P
     out); the head finds its rounds slow, times the route's prefixes, and moves to the 80 ms replica
     mid-generation."""
     store = tiny_qwen2_root / "store"
-    boot = spawn("bootstrap", ["start", "--bootstrap-only", "--identity", str(tmp_path / "b.key"),
+    boot = daemon("bootstrap", ["start", "--bootstrap-only", "--identity", str(tmp_path / "b.key"),
                                "--ready-file", str(tmp_path / "b.json")], tmp_path)
     procs = [boot]
     try:
@@ -71,7 +72,7 @@ def test_peer_slow_on_windows_is_replaced_by_a_faster_replica(tiny_qwen2_root: P
                  "narrow": ("3:5", ["--wan-latency-ms", "5", "--wan-mbit", "0.01"]),
                  "wide": ("3:5", ["--wan-latency-ms", "80"])}
         for name, (blocks, opts) in peers.items():
-            procs.append(spawn(name, ["start", "--store", str(store), "--blocks", blocks, "--bootstrap", bootstrap,
+            procs.append(daemon(name, ["start", "--store", str(store), "--blocks", blocks, "--bootstrap", bootstrap,
                                       "--identity", str(tmp_path / f"{name}.key"), "--ready-file",
                                       str(tmp_path / f"{name}.json"), "--threads", "1", *opts], tmp_path))
         ids = {p.name: wait_ready(tmp_path / f"{p.name}.json", p, 120)["peer_id"] for p in procs[1:]}
@@ -106,4 +107,4 @@ def test_peer_slow_on_windows_is_replaced_by_a_faster_replica(tiny_qwen2_root: P
         assert event.blamed == [ids["narrow"]] and "is slow" in event.error
         assert event.new_route == [ids["first"], ids["wide"]]
     finally:
-        stop_processes([p.pid for p in reversed(procs)])
+        stop_processes(list(reversed(procs)))

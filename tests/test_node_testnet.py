@@ -15,7 +15,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, hf_greedy, make_tiny_model
+from conftest import cli, daemon, hf_greedy, make_tiny_model
 from dsd.discovery.survey import survey
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -267,9 +267,9 @@ def test_killed_peer_leaves_the_dht_and_route_names_missing_blocks(testnet: dict
 
 def test_blocks_auto_fills_the_gap(testnet: dict, tiny_qwen2_root: Path, tmp_path: Path) -> None:
     """After the kill above, blocks 2-3 are uncovered: a peer started with `--blocks auto` serves them."""
-    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+    from dsd.node.testnet.processes import stop_processes, wait_ready
 
-    proc = spawn("auto", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "auto", "--num-blocks", "2",
+    proc = daemon("auto", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "auto", "--num-blocks", "2",
                           "--bootstrap", testnet["bootstrap"], "--identity", str(tmp_path / "auto.key"),
                           "--ready-file", str(tmp_path / "auto.json"), "--threads", "1", "--record-ttl", "6"], tmp_path)
     try:
@@ -280,4 +280,4 @@ def test_blocks_auto_fills_the_gap(testnet: dict, tiny_qwen2_root: Path, tmp_pat
         assert out.returncode == 0 and report["missing_blocks"] == []
         assert info["peer_id"] in [h["peer_id"] for h in report["route"]["hops"]]
     finally:
-        stop_processes([proc.pid])
+        stop_processes([proc])

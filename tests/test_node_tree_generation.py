@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import KillOnTree, cli, cli_testnet, hf_greedy
+from conftest import KillOnTree, cli, cli_testnet, daemon, hf_greedy
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
 from dsd.node.head.sampling import SamplingParams
@@ -20,7 +20,7 @@ from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
 from dsd.node.route.generate import generate_once
 from dsd.node.route.keeper import open_route_keeper
-from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+from dsd.node.testnet.processes import stop_processes, wait_ready
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -86,7 +86,7 @@ def test_a_hop_killed_with_a_tree_in_flight_is_replaced_and_output_is_unchanged(
     """Runs last in this module: it kills a peer. A standby peer serves the last span, so a route is left."""
     store = Store(tiny_qwen2_root / "store")
     prompt = PROMPTS[1]
-    proc = spawn("standby", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "4:5",
+    proc = daemon("standby", ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "4:5",
                              "--bootstrap", testnet["bootstrap"], "--identity", str(tmp_path / "standby.key"),
                              "--ready-file", str(tmp_path / "standby.json"), "--threads", "1", "--record-ttl", "6"],
                  tmp_path)
@@ -105,7 +105,7 @@ def test_a_hop_killed_with_a_tree_in_flight_is_replaced_and_output_is_unchanged(
 
         result, backend, events = trio.run(main)
     finally:
-        stop_processes([proc.pid])
+        stop_processes([proc])
     assert backend.killed is not None and backend.replayed_tree
     assert len(events) == 1 and events[0].blamed == [backend.killed]
     assert result.tree_windows > 1  # trees went on after the failover

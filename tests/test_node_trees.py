@@ -12,9 +12,10 @@ import pytest
 import torch
 import trio
 
+from conftest import daemon
 from dsd.node.peer.host import head_node
 from dsd.node.route.session import open_route_session
-from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+from dsd.node.testnet.processes import stop_processes, wait_ready
 from dsd.protocol import Ack, CloseSession, DraftWindow, Hop, OpenSession, TopKResult
 from dsd.protocol.ids import FEDERATED_PROTOCOL
 from dsd.shard_store import Store
@@ -46,12 +47,12 @@ def swarm(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
     procs = []
     try:
         for name, extra in roles.items():
-            procs.append(spawn(name, ["start", "--store", store, *extra, "--identity", str(state / f"{name}.key"),
+            procs.append(daemon(name, ["start", "--store", store, *extra, "--identity", str(state / f"{name}.key"),
                                       "--ready-file", str(state / f"{name}.json"), "--threads", "1",
                                       "--max-len", "64"], state))
         yield {p.name: wait_ready(state / f"{p.name}.json", p, 120) for p in procs}
     finally:
-        stop_processes([p.pid for p in reversed(procs)])
+        stop_processes(list(reversed(procs)))
 
 
 class Whole:

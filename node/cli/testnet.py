@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
     up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
+    up.add_argument("--spawn", choices=("fork", "exec"), default="fork",
+                    help="how the daemons after the bootstrap start: fork = copies of this process, which imports torch, "
+                         "transformers and libp2p once for all of them (default); exec = a new interpreter each")
     up.add_argument("--metrics", action="store_true", help="every daemon serves its Prometheus metrics on a free 127.0.0.1 port (start --metrics-port 0); the URLs are in the state")
     fed = up.add_argument_group("federated mode: whole-model workers instead of block peers")
     fed.add_argument("--federated", action="store_true", help="start one federated worker per store (--store, --store2 or --worker-stores)")
@@ -57,7 +60,8 @@ def spec_of(args: argparse.Namespace):
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
         codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
-        device=args.device, dtype=args.dtype, metrics=args.metrics, fork_program=args.program,
+        device=args.device, dtype=args.dtype, metrics=args.metrics,
+        fork_program=args.program if args.spawn == "fork" else None,
     )
 
 
