@@ -19,7 +19,6 @@ import importlib
 import json
 import os
 import sys
-import traceback
 
 # What `dsd-node` commands load; imported before the first fork. Nothing here starts a thread.
 PRELOAD = (
@@ -38,36 +37,18 @@ PRELOAD = (
 
 
 def _child(request: dict) -> None:
-    """In the forked child: take the request's files, directory, environment and arguments; run the program."""
-    code = 1
-    try:
-        if request["daemon"]:
-            os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["daemon"] else os.O_TRUNC)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, mode, 0o644), fd)
-        os.closerange(3, 65536)  # the server's pipes stay out of the child
+    """In the forked child: take the request's directory and environment, then run the program as
+    `dsd.node.testnet.processes` runs a forked daemon (its files, its session if a daemon); never returns."""
+    from dsd.node.cli.main import run
+    from dsd.node.testnet.processes import run_in_child
+
+    def program(argv: list[str]) -> None:  # inside run_in_child's guard: any failure ends only this child
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["dsd-node", *request["argv"]]
-        from dsd.node.cli.main import run
+        run(argv)
 
-        run()  # leaves with os._exit
-    except SystemExit as exc:  # argparse's errors and --help
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+    run_in_child(program, request["argv"], request["stdout"], request["stderr"], daemon=request["daemon"])
 
 
 def _reply(message: dict) -> None:
@@ -77,6 +58,8 @@ def _reply(message: dict) -> None:
 
 def serve() -> None:
     """Preload, then run each requested command in a forked child, one at a time, until stdin closes."""
+    from dsd.node.testnet.processes import reap_children
+
     for name in PRELOAD:
         importlib.import_module(name)
     _reply({"ready": True})
@@ -89,16 +72,7 @@ def serve() -> None:
         if not request["daemon"]:
             _, status = os.waitpid(pid, 0)
             _reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
-        _reap_daemons()
-
-
-def _reap_daemons() -> None:
-    """Collect ended daemons, so that none lingers as a zombie."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
+        reap_children()  # ended daemons
 
 
 if __name__ == "__main__":

@@ -134,23 +134,28 @@ def fork_daemon(name: str, args: list[str], state_dir: Path, program: Callable[[
         stream.flush()
     pid = os.fork()
     if pid == 0:
-        _run_forked(log_path, program, ["-v", *args])
+        run_in_child(program, ["-v", *args], log_path, log_path, daemon=True)
     return PeerProcess(name=name, pid=pid, log=str(log_path), started=process_start(pid))
 
 
-def _run_forked(log_path: Path, program: Callable[[list[str]], None], argv: list[str]) -> None:
-    """In the forked child: detach, write to the log, run `program(argv)`; never returns."""
+def run_in_child(program: Callable[[list[str]], None], argv: list[str], stdout: Path, stderr: Path, *,
+                 daemon: bool) -> None:
+    """In a forked child: run `program(argv)` (which ends the process) with stdin from /dev/null and stdout, stderr
+    to those files; a daemon in a session of its own, appending to its log. Never returns."""
     code = 1
     try:
-        os.setsid()
-        out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if daemon:
+            os.setsid()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.closerange(3, 65536)  # nothing of the parent's (its pipes, its sockets) stays open in the daemon
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if daemon else os.O_TRUNC)
+        for fd, path in ((1, stdout), (2, stderr)):
+            os.dup2(os.open(path, mode, 0o644), fd)
+        os.closerange(3, 65536)  # nothing of the parent's (its pipes, its sockets) stays open in the child
         program(argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # argparse's errors and --help
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -222,17 +227,17 @@ def stop_processes(procs: Sequence[PeerProcess | int], timeout_s: float = 15.0) 
             outcome[pid] = "not running"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid_alive(p) for p in outcome):
-        _reap()
+        reap_children()
         time.sleep(0.1)
     for pid in outcome:
         if pid_alive(pid) and is_our_daemon(ours[pid]):
             os.kill(pid, signal.SIGKILL)
             outcome[pid] = "killed"
-    _reap()
+    reap_children()
     return outcome
 
 
-def _reap() -> None:
+def reap_children() -> None:
     """Collect exited children of this process so they do not linger as zombies."""
     try:
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
