@@ -12,13 +12,16 @@ that can be trusted.
 - The engine's exact counters (drafted, accepted, ready windows, bytes read), provenance per setting
   (commit, dirty flag, command, load average before and after).
 
-Resumable: runs already in the results file are skipped, and the file is rewritten after every prompt.
+Resumable: runs already in the results file are skipped, and the file is rewritten after every prompt; a
+setting resumes only with the options it started with. `--merge FILE` adopts a setting another results file
+completed with the same options (the grid can reuse the headline run instead of running it again).
 
     python bench/dsd_sweep.py --peers 4 --ratios 5                 # the headline setting (hours)
     python bench/dsd_sweep.py                                      # N in {3,4,8} x t1/t0 in {3,5,10}
     python bench/dsd_sweep.py --peers 4 --ratios 5 --modes sd-chain,sd,dsd-chain,dsd --name tree_vs_chain  # trees
     python bench/dsd_sweep.py --peers 4 --ratios 5 --modes ar,sd,dsd-serial,dsd --name pipeline  # the pipeline
     python bench/dsd_sweep.py --models tiny --problems 0,1 --reps 1 --max-new-tokens 24   # smoke test
+    python bench/dsd_sweep.py --report-only --results bench/results/dsd_grid.json --merge bench/results/pipeline-2026-12-02.json
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class SweepOptions:
     exec_timeout: float = 5.0
     name: str = "dsd_sweep"
     results: Path | None = None
+    merge: list[Path] = field(default_factory=list)
     state: Path = Path(".dsd/bench")
 
     @property
@@ -111,6 +115,45 @@ def log(msg: str) -> None:
 
 def setting_key(models: str, peers: int, ratio: float) -> str:
     return f"{models}-N{peers}-r{ratio:g}"
+
+
+def setting_options(opts: SweepOptions) -> dict[str, Any]:
+    """What a setting's runs depend on besides N and t1/t0; recorded with the setting, compared on resume."""
+    return {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
+            "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
+            "branches": opts.branches, "pipeline": opts.pipeline,
+            "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes}
+
+
+def option_mismatch(setting: dict[str, Any], opts: SweepOptions, *, more_modes: bool = False) -> list[str]:
+    """How the options a setting ran with differ from these; `more_modes`: it may also hold other modes."""
+    ours, theirs = setting_options(opts), setting.get("options", {})
+    diff = [f"{k} {theirs.get(k, 'unset')!r} (here {v!r})" for k, v in ours.items()
+            if k != "modes" and theirs.get(k, "unset") != v]
+    modes = theirs.get("modes", [])
+    if not (set(opts.modes) <= set(modes) if more_modes else list(opts.modes) == list(modes)):
+        diff.append(f"modes {modes!r} (here {list(opts.modes)!r})")
+    return diff
+
+
+def merge_settings(results: dict[str, Any], opts: SweepOptions) -> None:
+    """Adopt from `opts.merge` the settings of this sweep's grid that the results lack, if run with its options."""
+    have = {s["key"] for s in results["settings_runs"]}
+    wanted = {setting_key(opts.models, n, r) for n in opts.peers for r in opts.ratios}
+    for path in opts.merge:
+        try:
+            other = json.loads(path.read_text())["settings_runs"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"--merge {path}: not a sweep results file ({exc})") from None
+        for s in other:
+            if s["key"] not in wanted or s["key"] in have:
+                continue
+            if diff := option_mismatch(s, opts, more_modes=True):
+                raise SystemExit(f"--merge {path}: setting {s['key']} ran with other options: {'; '.join(diff)}")
+            results["settings_runs"].append({**s, "merged_from": path.name})
+            have.add(s["key"])
+            log(f"merged {s['key']} from {path.name} ({len(s['runs'])} runs)")
+    results["settings_runs"].sort(key=lambda s: (s["models"], s["peers"], s["ratio"]))
 
 
 # --- calibration (before the runs) ---------------------------------------------------------------
@@ -205,6 +248,9 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     todo = run_setting_todo(opts, setting, workload)
     if not todo:
         return
+    if diff := option_mismatch(setting, opts):
+        raise SystemExit(f"setting {setting['key']} started with other options: {'; '.join(diff)}; "
+                         "rerun with those, or write to another --results file")
     if setting["runs"]:  # a setting started earlier: record what runs the rest, and on what load
         setting["provenance"].setdefault("resumed", []).append(
             {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -235,9 +281,7 @@ def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, targ
         "key": setting_key(opts.models, peers, ratio), "models": opts.models, "peers": peers, "ratio": ratio,
         "provenance": {"commit": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty"), "command": command,
                        "load_before": load_before, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        "options": {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
-                    "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
-                    "branches": opts.branches, "pipeline": opts.pipeline, "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes},
+        "options": setting_options(opts),
         "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
         "runs": [],
     }
@@ -257,6 +301,7 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
     if path.exists():
         results["settings_runs"] = json.loads(path.read_text()).get("settings_runs", [])
         log(f"resuming {path}: {len(results['settings_runs'])} settings started")
+    merge_settings(results, opts)
     opts.state.mkdir(parents=True, exist_ok=True)
     target, setup, tokenizer, eos = load_models(opts.models, opts.state, opts.draft_quant)
     workload = Workload(opts.models, opts.problems, tokenizer)
@@ -272,6 +317,8 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
                     acceptance = measure_acceptance(target, setup.drafter.model, held_out, held_out.problems)
                 setting = new_setting(opts, n, ratio, command, target, setup, workload, acceptance)
                 results["settings_runs"].append(setting)
+            elif not run_setting_todo(opts, setting, workload):
+                continue  # complete: its provenance stays as it finished
             t = time.perf_counter()
             run_setting(opts, setting, target, setup, workload, eos, lambda: write_outputs(results, stem))
             setting["provenance"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -285,12 +332,14 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
     return results
 
 
-def rebuild_report(stem: Path) -> dict[str, Any]:
-    """Recompute the summaries, table and plot of a results file from its raw runs; run nothing."""
+def rebuild_report(opts: SweepOptions) -> dict[str, Any]:
+    """Recompute the summaries, table and plot of a results file from its raw runs (and `--merge`); run nothing."""
+    stem = opts.stem
     path = stem.with_suffix(".json")
     if not path.exists():
         raise SystemExit(f"--report-only: no results file {path}")
     results = json.loads(path.read_text())
+    merge_settings(results, opts)
     for s in results["settings_runs"]:
         s["summary"] = summarize(s) if s["runs"] else {}
     write_outputs(results, stem)
@@ -321,6 +370,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
     p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-tiny])")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
+    p.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
+                   help="adopt the settings of the grid that FILE holds and the results lack (same options; repeatable)")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="testnet state and work directory")
     p.add_argument("--report-only", action="store_true",
                    help="recompute summaries, table and plot of --results from its raw runs; run nothing")
@@ -344,14 +395,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     opts = SweepOptions(models=args.models, peers=peers, ratios=ratios, problems=problems, modes=modes,
                         reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
                         draft_quant=args.draft_quant, branches=args.branches, pipeline=args.pipeline, tree_nodes=tree_nodes,
-                        exec_timeout=args.exec_timeout, name=name, results=args.results, state=args.state)
+                        exec_timeout=args.exec_timeout, name=name, results=args.results, merge=args.merge,
+                        state=args.state)
     return opts, args.report_only
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts, report_only = parse_args(argv)
     if report_only:
-        results = rebuild_report(opts.stem)
+        results = rebuild_report(opts)
     else:
         results = run_sweep(opts, command_line("dsd_sweep.py", argv if argv is not None else sys.argv[1:]))
     print(markdown_table(results))

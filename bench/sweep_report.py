@@ -127,7 +127,7 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
     attach_federated(results)
     write_json(stem.with_suffix(".json"), results)
     prov = "\n".join(
-        f"- {s['key']}: commit {s['provenance']['commit'][:12]}{' (dirty)' if s['provenance']['dirty'] else ''}, "
+        f"- {s['key']}{f' (from {m})' if (m := s.get('merged_from')) else ''}: commit {s['provenance']['commit'][:12]}{' (dirty)' if s['provenance']['dirty'] else ''}, "
         f"`{s['provenance']['command']}`, {len(s['runs'])} runs"
         + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}" for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")

@@ -3,7 +3,9 @@ cases), the paper's formula against its own worked numbers, and the paired-speed
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +13,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from dsd_sweep import PROBLEMS, cut_completion, run_setting_todo  # noqa: E402
+from dsd_sweep import (  # noqa: E402
+    PROBLEMS,
+    SweepOptions,
+    cut_completion,
+    merge_settings,
+    option_mismatch,
+    run_setting,
+    run_setting_todo,
+    setting_options,
+)
 from sweep_model import (  # noqa: E402
     best_gamma,
     bootstrap_median,
@@ -152,3 +163,54 @@ def test_resume_reruns_a_prompt_whose_run_failed_in_every_mode() -> None:
     opts, workload = SimpleNamespace(reps=2), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
     todo = [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, {"runs": runs}, workload)]
     assert todo == [(1, "B"), (2, "A"), (2, "B")]
+
+
+def _setting(key: str, peers: int, ratio: float, opts: SweepOptions, **options: object) -> dict:
+    return {"key": key, "models": "real", "peers": peers, "ratio": ratio, "runs": [_run("A", 1, "ar", 1.0, [1])],
+            "options": {**setting_options(opts), **options}, "calibration": cal(), "provenance": {"commit": "c"}}
+
+
+def test_a_setting_resumes_only_with_the_options_it_started_with() -> None:
+    """Mixing runs of another draft quantization or mode set into a setting would make its medians meaningless."""
+    opts = SweepOptions(draft_quant="int8")
+    assert option_mismatch(_setting("real-N3-r3", 3, 3.0, opts), opts) == []
+    diff = option_mismatch(_setting("real-N3-r3", 3, 3.0, opts, draft_quant="none", pipeline=1), opts)
+    assert diff == ["draft_quant 'none' (here 'int8')", "pipeline 1 (here 2)"]
+    more = _setting("real-N4-r5", 4, 5.0, opts, modes=["ar", "sd", "dsd-serial", "dsd"])
+    assert option_mismatch(more, opts) == ["modes ['ar', 'sd', 'dsd-serial', 'dsd'] (here ['ar', 'sd', 'dsd'])"]
+    assert option_mismatch(more, opts, more_modes=True) == []
+    old = _setting("real-N3-r3", 3, 3.0, opts)
+    del old["options"]["pipeline"]  # a setting from before pipelining
+    assert option_mismatch(old, opts) == ["pipeline 'unset' (here 2)"]
+
+
+def test_resuming_with_other_options_stops_before_any_testnet_starts() -> None:
+    opts = SweepOptions(draft_quant="int8")
+    setting = _setting("real-N3-r3", 3, 3.0, opts, draft_quant="none")
+    workload = SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
+    with pytest.raises(SystemExit, match=r"real-N3-r3 started with other options: draft_quant 'none'"):
+        run_setting(opts, setting, Path("no-store"), None, workload, frozenset(), lambda: None)
+
+
+def test_merge_adopts_missing_grid_settings_run_with_the_same_options(tmp_path: Path) -> None:
+    """The grid reuses the headline run: a setting another file completed is adopted, marked with its source."""
+    opts = SweepOptions(draft_quant="int8", peers=[3, 4], ratios=[3.0, 5.0])
+    other = tmp_path / "pipeline-2026-12-02.json"
+    other.write_text(json.dumps({"settings_runs": [
+        _setting("real-N4-r5", 4, 5.0, opts, modes=["ar", "sd", "dsd-serial", "dsd"]),
+        _setting("real-N3-r3", 3, 3.0, opts),       # the results hold their own: theirs is kept
+        _setting("real-N8-r10", 8, 10.0, opts),     # not in this sweep's grid
+    ]}))
+    own = _setting("real-N3-r3", 3, 3.0, opts)
+    results = {"settings_runs": [own]}
+    merge_settings(results, replace(opts, merge=[other]))
+    assert [s["key"] for s in results["settings_runs"]] == ["real-N3-r3", "real-N4-r5"]
+    assert results["settings_runs"][0] is own and "merged_from" not in own
+    assert results["settings_runs"][1]["merged_from"] == "pipeline-2026-12-02.json"
+
+    other.write_text(json.dumps({"settings_runs": [_setting("real-N4-r5", 4, 5.0, opts, draft_quant="none")]}))
+    with pytest.raises(SystemExit, match=r"real-N4-r5 ran with other options: draft_quant 'none'"):
+        merge_settings({"settings_runs": []}, replace(opts, merge=[other]))
+    other.write_text("not json")
+    with pytest.raises(SystemExit, match="not a sweep results file"):
+        merge_settings({"settings_runs": []}, replace(opts, merge=[other]))
