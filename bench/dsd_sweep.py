@@ -251,9 +251,16 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     if diff := option_mismatch(setting, opts):
         raise SystemExit(f"setting {setting['key']} started with other options: {'; '.join(diff)}; "
                          "rerun with those, or write to another --results file")
-    if setting["runs"]:  # a setting started earlier: record what runs the rest, and on what load
+    if setting["runs"]:  # a setting started earlier: record what runs the rest, on what load and how fast a step is now
+        from dsd.node.testnet.calibrate import measure_t0
+        from dsd.shard_store import Store
+
+        t0_now = measure_t0(Store(target), cal["layers_per_peer"])
         setting["provenance"].setdefault("resumed", []).append(
-            {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "t0_s": t0_now})
+        log(f"  resuming: t0 {t0_now * 1000:.1f} ms now, {cal['t0_s'] * 1000:.1f} ms at calibration, so t1/t0 is "
+            f"{cal['latency_ms'] / 1000 / t0_now:.1f} for the rest (nominal {cal['ratio']:g})")
     again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
     setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
     setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]

@@ -129,7 +129,8 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
     prov = "\n".join(
         f"- {s['key']}{f' (from {m})' if (m := s.get('merged_from')) else ''}: commit {s['provenance']['commit'][:12]}{' (dirty)' if s['provenance']['dirty'] else ''}, "
         f"`{s['provenance']['command']}`, {len(s['runs'])} runs"
-        + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}" for r in s["provenance"].get("resumed", []))
+        + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}"
+                  + (f" (t0 then {r['t0_s'] * 1000:.0f} ms)" if "t0_s" in r else "") for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
         for s in results["settings_runs"])
     stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n" + markdown_table(results))
