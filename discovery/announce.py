@@ -59,7 +59,9 @@ class Announcer:
         self.published = 0  # successful publications (any storing node took the record)
         self.last_stored_at = 0  # storing nodes reached at the last publication
         self._last: list[PeerRecord] = []
-        self._scope: trio.CancelScope | None = None
+        self._scope: trio.CancelScope | None = None  # the wait between publications
+        self._publishing = trio.Lock()  # a publication and the withdrawal never overlap
+        self._stopping = False
 
     def _current(self, now: float, ttl: float) -> list[PeerRecord]:
         got = self.record_fn()
@@ -91,37 +93,42 @@ class Announcer:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Publish now, signal started, then refresh until cancelled or `stop()`ped."""
-        with trio.CancelScope() as scope:
-            self._scope = scope
-            await self._publish_logged()
-            task_status.started()
-            while True:
+        await self._publish_logged()
+        task_status.started()
+        while not self._stopping:
+            with trio.CancelScope() as self._scope:  # stop() cancels the wait, never a publication
                 await trio.sleep(self.refresh_s)
+            if not self._stopping:
                 await self._publish_logged()
 
     async def stop(self, timeout_s: float = 3.0) -> None:
         """Stop refreshing and, if withdraw_on_stop, publish withdrawn copies (expires = issued = now).
 
-        Call it while the node still runs: cancelling the node's nursery cancels libp2p's
-        own tasks too, so a withdrawal attempted during that cancellation cannot get out.
+        A publication in flight is let finish (within the timeout): cancelling one mid-stream
+        resets libp2p connections the withdrawal then needs. Call it while the node still runs:
+        cancelling the node's nursery cancels libp2p's own tasks too, so a withdrawal attempted
+        during that cancellation cannot get out.
         """
+        self._stopping = True
         if self._scope is not None:
             self._scope.cancel()
-        if not (self.withdraw_on_stop and self._last):
-            return
-        now = time.time()
-        gone = [replace(r, issued=now, expires=now) for r in self._last]
-        self._last = []
         with trio.move_on_after(timeout_s):
-            try:
-                await self._put(gone)
-            except Exception as exc:  # best effort: the TTL removes the records anyway
-                log.debug("withdrawing records failed: %r", exc)
+            async with self._publishing:
+                if not (self.withdraw_on_stop and self._last):
+                    return
+                now = time.time()
+                gone = [replace(r, issued=now, expires=now) for r in self._last]
+                self._last = []
+                try:
+                    await self._put(gone)
+                except Exception as exc:  # best effort: the TTL removes the records anyway
+                    log.debug("withdrawing records failed: %r", exc)
 
     async def _publish_logged(self) -> None:
         try:
             with trio.move_on_after(self.refresh_s):
-                stored = await self.publish_once()
+                async with self._publishing:
+                    stored = await self.publish_once()
                 if not stored:
                     log.warning("record published to no storing node")
         except Exception as exc:

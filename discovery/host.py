@@ -323,12 +323,37 @@ class P2PNode:
             raise ValueError("cannot open a stream to ourselves")
         pid = self._remember(peer_id, addrs)
         try:
-            stream = await self.host.new_stream(pid, [TProtocol(protocol_id)])
-        except trio.Cancelled:
-            raise
+            stream = await self._new_stream(pid, protocol_id)
         except Exception as exc:  # dial failures, refused protocols, resets during negotiation
             raise LinkError(f"cannot open {protocol_id} to {peer_id}: {exc!r}") from exc
         return self.stream_wrapper(stream) if self.stream_wrapper is not None else stream
+
+    async def _new_stream(self, pid: ID, protocol_id: str) -> Any:
+        """A new stream to `pid`; when its connections broke under us, they are dropped and it is dialled once more.
+
+        py-libp2p keeps a connection the other side closed or reset in its table until it notices,
+        and `new_stream` then fails at once ("No valid connections", "Failed to send SYN") instead of
+        dialling; a live peer's records or session would be lost to that. Open connections are
+        never closed here: the retry happens only when none is left open.
+        """
+        for retry in (False, True):
+            held, open_ = self._connections(pid)
+            if held and not open_:
+                log.debug("dropping closed connections to %s before opening %s", pid, protocol_id)
+                with trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await _quiet(self.host.disconnect(pid))
+            try:
+                return await self.host.new_stream(pid, [TProtocol(protocol_id)])
+            except Exception as exc:
+                if retry or not held or self._connections(pid)[1]:
+                    raise
+                log.debug("connection to %s broke while opening %s (%r); dialling again", pid, protocol_id, exc)
+        raise AssertionError("unreachable")
+
+    def _connections(self, pid: ID) -> tuple[int, int]:
+        """How many connections the swarm holds to `pid`, and how many of them are still open."""
+        conns = self.host.get_network().get_connections(pid)
+        return len(conns), sum(not c.is_closed for c in conns)
 
     async def open(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> FramedStream:
         """A FramedStream to `peer_id` speaking `protocol_id`; connects if needed."""
@@ -346,7 +371,7 @@ class P2PNode:
         """Send one record-store request; None when the peer fails (then it is forgotten) or refuses."""
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
-                raw = await self.host.new_stream(peer, [TProtocol(RECORDS_PROTOCOL)])
+                raw = await self._new_stream(peer, RECORDS_PROTOCOL)
                 reply = await ask_records(raw, peer.to_base58(), request)
         except Exception as exc:
             log.debug("record-store request to %s failed: %r", peer, exc)

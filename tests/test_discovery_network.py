@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
+import struct
 import time
 
 import msgpack
@@ -239,6 +241,40 @@ def test_ping_rtt_is_positive_and_small() -> None:
                 assert await stream.receive() == Pong(42, b"x" * 100)
                 assert stream.bytes_sent == sent and stream.bytes_received == sent
                 await stream.close()
+
+    trio.run(main)
+
+
+def reset_connection(node: P2PNode, peer_id: str) -> None:
+    """Abort `node`'s TCP connection to `peer_id` with a RST, as a crashed or cancelled writer would."""
+    from libp2p.peer.id import ID
+
+    [conn] = node.host.get_network().get_connections(ID.from_base58(peer_id))
+    layer: object = conn.muxed_conn
+    for _ in range(10):  # muxer -> security -> raw connection -> trio stream
+        if isinstance(layer, trio.SocketStream):
+            break
+        layer = next(getattr(layer, a) for a in ("secured_conn", "conn", "stream") if hasattr(layer, a))
+    assert isinstance(layer, trio.SocketStream), "no TCP stream under the libp2p connection"
+    layer.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    layer.socket.close()
+
+
+def test_a_connection_reset_under_us_is_dialled_again() -> None:
+    """py-libp2p keeps a reset connection until it notices; the next stream must dial afresh, not fail."""
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with P2PNode(create_new_key_pair()) as a, P2PNode(create_new_key_pair(), bootstrap=[a.addrs[0]]) as b:
+                install_ping_handler(a)
+                assert await measure_rtt(b, a.peer_id, a.addrs) > 0
+                reset_connection(a, b.peer_id)
+                assert await measure_rtt(b, a.peer_id, a.addrs) > 0  # a session's stream
+                reset_connection(a, b.peer_id)
+                record = sign_record(dataclasses.replace(block_record(b, 0, 4), issued=time.time(),
+                                                         expires=time.time() + 30), b.key_pair)
+                assert await b.put_records(record_key(MODEL), [record]) == 2  # b itself and a
+                assert a.store.get(record_key(MODEL)) == [record]
 
     trio.run(main)
 
