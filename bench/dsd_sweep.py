@@ -13,7 +13,8 @@ that can be trusted.
   (commit, dirty flag, command, load average before and after).
 
 Resumable: runs already in the results file are skipped, and the file is rewritten after every prompt; a
-setting resumes only with the options it started with. `--merge FILE` adopts a setting another results file
+setting resumes only with the options it started with, and with links re-set to hold its t1/t0 at the
+step time measured then (the machine's speed drifts). `--merge FILE` adopts a setting another results file
 completed with the same options (the grid can reuse the headline run instead of running it again).
 
     python bench/dsd_sweep.py --peers 4 --ratios 5                 # the headline setting (hours)
@@ -173,7 +174,7 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup:
         "peers": peers, "ratio": ratio, "layers_per_peer": layers, "t0_s": t0,
         "t0_window_s": {str(k): v for k, v in measure_step_table(store, layers).items()},
         "head_window_s": {str(k): v for k, v in measure_head_table(setup.head).items()},
-        "latency_ms": ratio * t0 * 1000,
+        "latency_ms": link_latency_ms(ratio, t0),
         "draft_s_per_token": measure_draft_step(setup.drafter, prompt),
         "branch_step_s": measure_branch_step(setup.drafter, prompt),
         **acceptance,
@@ -229,6 +230,11 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
     return out
 
 
+def link_latency_ms(ratio: float, t0_s: float) -> float:
+    """The one-way link latency t1 (ms) that makes t1/t0 = `ratio` for a measured step time t0."""
+    return ratio * t0_s * 1000
+
+
 def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Workload) -> list[tuple[int, dict[str, Any]]]:
     """The (rep, prompt) pairs a setting still lacks: never run, or ended by a failed run."""
     failed = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" in r}
@@ -251,24 +257,26 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     if diff := option_mismatch(setting, opts):
         raise SystemExit(f"setting {setting['key']} started with other options: {'; '.join(diff)}; "
                          "rerun with those, or write to another --results file")
-    if setting["runs"]:  # a setting started earlier: record what runs the rest, on what load and how fast a step is now
+    latency_ms = cal["latency_ms"]
+    if setting["runs"]:  # a setting started earlier: the machine's speed may have changed since its calibration
         from dsd.node.testnet.calibrate import measure_t0
         from dsd.shard_store import Store
 
         t0_now = measure_t0(Store(target), cal["layers_per_peer"])
+        latency_ms = link_latency_ms(cal["ratio"], t0_now)  # hold the setting's t1/t0, not its t1
         setting["provenance"].setdefault("resumed", []).append(
             {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "t0_s": t0_now})
-        log(f"  resuming: t0 {t0_now * 1000:.1f} ms now, {cal['t0_s'] * 1000:.1f} ms at calibration, so t1/t0 is "
-            f"{cal['latency_ms'] / 1000 / t0_now:.1f} for the rest (nominal {cal['ratio']:g})")
+             "t0_s": t0_now, "latency_ms": latency_ms})
+        log(f"  resuming: t0 {t0_now * 1000:.1f} ms now, {cal['t0_s'] * 1000:.1f} ms at calibration; links "
+            f"{latency_ms:.0f} ms (were {cal['latency_ms']:.0f}) so t1/t0 stays {cal['ratio']:g}")
     again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
     setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
     setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]
-    with testnet(target, cal["peers"], cal["latency_ms"], opts.state / f"n{cal['peers']}-r{cal['ratio']:g}") as state:
+    with testnet(target, cal["peers"], latency_ms, opts.state / f"n{cal['peers']}-r{cal['ratio']:g}") as state:
         log(f"  testnet up in {state.up_seconds:.1f} s; {len(todo)} prompt runs to go")
 
         async def main() -> None:
-            async with head_node([state.bootstrap], LinkProfile.from_options(cal["latency_ms"])) as (node, legs):
+            async with head_node([state.bootstrap], LinkProfile.from_options(latency_ms)) as (node, legs):
                 hops = await plan_once(node, setup.model_id, setup.num_layers)
                 setting["route"] = [[h.start, h.end] for h in hops]
                 for rep, problem in todo:

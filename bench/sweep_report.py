@@ -123,14 +123,22 @@ def attach_federated(results: dict[str, Any]) -> None:
     }
 
 
+def resumed_speed(resume: dict[str, Any]) -> str:
+    """The step time re-measured when a setting resumed, and the link latency that then held its t1/t0."""
+    if "t0_s" not in resume:
+        return ""
+    links = f", links {resume['latency_ms']:.0f} ms" if "latency_ms" in resume else ""
+    return f" (t0 then {resume['t0_s'] * 1000:.0f} ms{links})"
+
+
 def write_outputs(results: dict[str, Any], stem: Path) -> None:
     attach_federated(results)
     write_json(stem.with_suffix(".json"), results)
     prov = "\n".join(
         f"- {s['key']}{f' (from {m})' if (m := s.get('merged_from')) else ''}: commit {s['provenance']['commit'][:12]}{' (dirty)' if s['provenance']['dirty'] else ''}, "
         f"`{s['provenance']['command']}`, {len(s['runs'])} runs"
-        + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}"
-                  + (f" (t0 then {r['t0_s'] * 1000:.0f} ms)" if "t0_s" in r else "") for r in s["provenance"].get("resumed", []))
+        + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}{resumed_speed(r)}"
+                  for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
         for s in results["settings_runs"])
     stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n" + markdown_table(results))

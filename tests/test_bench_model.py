@@ -192,6 +192,36 @@ def test_resuming_with_other_options_stops_before_any_testnet_starts() -> None:
         run_setting(opts, setting, Path("no-store"), None, workload, frozenset(), lambda: None)
 
 
+def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid's axis is t1/t0: a setting resumed when a step takes 150 ms, not 127.6, gets 750 ms links, not 638."""
+    import dsd_sweep
+    from sweep_report import resumed_speed
+
+    import dsd.node.testnet.calibrate
+    import dsd.shard_store
+
+    class Started(Exception):
+        pass
+
+    def testnet(target: Path, peers: int, latency_ms: float, state: Path) -> None:
+        raise Started(peers, latency_ms)
+
+    monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers: 0.150)
+    monkeypatch.setattr(dsd.shard_store, "Store", lambda path: None)
+    monkeypatch.setattr(dsd_sweep, "testnet", testnet)
+    opts = SweepOptions(draft_quant="int8")
+    setting = _setting("real-N3-r5", 3, 5.0, opts)
+    setting["calibration"] = cal(peers=3, ratio=5.0, t0_s=0.1276, latency_ms=638.0, layers_per_peer=10)
+    workload = SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
+    with pytest.raises(Started) as started:
+        run_setting(opts, setting, Path("store"), None, workload, frozenset(), lambda: None)
+    assert started.value.args == (3, pytest.approx(750.0))
+    [resumed] = setting["provenance"]["resumed"]
+    assert resumed["t0_s"] == 0.150 and resumed["latency_ms"] == pytest.approx(750.0)
+    assert resumed_speed(resumed) == " (t0 then 150 ms, links 750 ms)"
+    assert setting["calibration"]["latency_ms"] == 638.0  # the runs made before keep their calibration
+
+
 def test_merge_adopts_missing_grid_settings_run_with_the_same_options(tmp_path: Path) -> None:
     """The grid reuses the headline run: a setting another file completed is adopted, marked with its source."""
     opts = SweepOptions(draft_quant="int8", peers=[3, 4], ratios=[3.0, 5.0])
