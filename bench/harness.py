@@ -26,10 +26,14 @@ T = TypeVar("T")
 
 
 def git_commit() -> str:
-    """The checkout's commit (with `+dirty` when tracked files differ), or "unknown"."""
+    """The checkout's commit (with `+dirty` when tracked files differ), or "unknown".
+
+    The result files under bench/results/ do not count: a benchmark that resumes or runs its next
+    setting has already rewritten them itself, and they are not code."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                f":(exclude){RESULTS_DIR.relative_to(REPO)}"], cwd=REPO,
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

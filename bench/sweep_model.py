@@ -17,6 +17,9 @@ RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd"
           ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
 SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-drafting overlap alone
+# The engine's window limits the model follows (node/head/config.py; a test checks they agree):
+GAMMA_MAX = 16  # the longest chain window
+LOOKAHEAD = 3  # dsd pre-drafts each branch this many tokens past the window it expects next
 
 
 def base_mode(mode: str) -> str:
@@ -53,8 +56,23 @@ def round_time(n: int, t1: float, t0w: float, head: float) -> float:
     return (n + 1) * t1 + n * t0w + head
 
 
-def predict(mode: str, cal: dict[str, Any], gamma: int) -> dict[str, float]:
-    """Seconds per token of `mode` with window γ, from the calibration record only (see docs/benchmarks.md)."""
+def pipelined_round(r: float, p: float, send: float, after: float) -> float:
+    """Mean seconds per window of dsd with two windows in flight (`--pipeline 2`).
+
+    The head sends the full-acceptance branch of the window in flight as the next window once that
+    branch is drafted (`send` seconds after the window went). A window sent after a verdict (the
+    first, or the one after a lost bet) costs its trip and the drafting before it (`r + after`);
+    while bets keep winning (probability p each) the windows sent ahead cost `send`, then
+    max(r − send, send) (the pipeline had no room until the older verdict), alternately. Over the
+    runs of won bets (geometric) that averages to the expression returned (docs/benchmarks.md)."""
+    return (1.0 - p) * (r + after) + (send * p + max(r - send, send) * p * p) / (1.0 + p)
+
+
+def predict(mode: str, cal: dict[str, Any], gamma: int, pipeline: int = 1) -> dict[str, float]:
+    """Seconds per token of `mode` with window γ, from the calibration record only (see docs/benchmarks.md).
+
+    `pipeline` is dsd's windows in flight: 1 (`dsd-serial`) or 2 (the default); deeper pipelines
+    are not modelled (ValueError)."""
     n, t1 = cal["peers"], cal["latency_ms"] / 1000
     t0 = {int(k): v for k, v in cal["t0_window_s"].items()}
     head = {int(k): v for k, v in cal["head_window_s"].items()}
@@ -70,14 +88,22 @@ def predict(mode: str, cal: dict[str, Any], gamma: int) -> dict[str, float]:
         p = ready_probability(alpha, gamma, cal["alt_hit"])
         step = cal.get("branch_step_s", d)
         t = r + p * max(0.0, (gamma + 1) * step - r) + (1.0 - p) * gamma * d
+        if pipeline > 2:
+            raise ValueError(f"the timing model describes at most 2 windows in flight, not {pipeline}")
+        send = (1 + min(gamma + LOOKAHEAD, GAMMA_MAX)) * step  # the bonus guess, then the branch past γ
+        if pipeline == 2 and send < r:  # the bet goes out before the verdict; else dsd runs serially
+            alt = cal["alt_hit"]
+            after = alt * max(0.0, (gamma + 1) * step - r) + (1.0 - alt) * gamma * d
+            won = alpha ** (gamma + 1)  # the window sent ahead is used only on full acceptance + bonus
+            t = pipelined_round(r, won, send, after)
     return {"round_s": r, "tokens_per_round": tokens, "s_per_token": t / tokens, "gamma": gamma, "p_ready": p}
 
 
-def best_gamma(mode: str, cal: dict[str, Any], gamma_max: int = 16) -> int:
+def best_gamma(mode: str, cal: dict[str, Any], gamma_max: int = GAMMA_MAX, pipeline: int = 1) -> int:
     """The window the model says is fastest (what the engine's controller aims for)."""
     if mode == "ar":
         return 0
-    return min(range(1, gamma_max + 1), key=lambda g: (predict(mode, cal, g)["s_per_token"], g))
+    return min(range(1, gamma_max + 1), key=lambda g: (predict(mode, cal, g, pipeline)["s_per_token"], g))
 
 
 def paper_prediction(n: int, t0: float, t1: float, tokens_per_round: float) -> dict[str, float]:
@@ -151,9 +177,11 @@ def _paired(setting: dict[str, Any], num: str, den: str, key: str = "tokens_per_
     return list(groups.values())
 
 
-def pipelined(mode: str, setting: dict[str, Any]) -> bool:
-    """Whether the mode's runs sent windows ahead of verdicts (dsd with `--pipeline` > 1; older results: never)."""
-    return mode.startswith("dsd") and not mode.endswith(SERIAL) and setting.get("options", {}).get("pipeline", 1) > 1
+def pipeline_depth(mode: str, setting: dict[str, Any]) -> int:
+    """Windows the mode's runs had in flight at most (dsd's `--pipeline`; serial modes and older results: 1)."""
+    if mode.startswith("dsd") and not mode.endswith(SERIAL):
+        return int(setting.get("options", {}).get("pipeline", 1))
+    return 1
 
 
 def summarize(setting: dict[str, Any]) -> dict[str, Any]:
@@ -171,10 +199,11 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         for r in mine:
             by_task.setdefault(r["task_id"], []).append(r["tokens_per_s"])
         row["median_tokens_per_s"] = bootstrap_median(list(by_task.values()))
-        gamma = best_gamma(base_mode(m), cal)
-        pred = predict(base_mode(m), cal, gamma)
-        # The model describes one window in flight; a pipelined dsd row is measured only, never "predicted".
-        row["model"] = None if pipelined(m, setting) else {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
+        depth = pipeline_depth(m, setting)
+        gamma = best_gamma(base_mode(m), cal, pipeline=min(depth, 2))
+        pred = predict(base_mode(m), cal, gamma, pipeline=min(depth, 2))
+        # The model describes up to two windows in flight; a deeper pipeline is measured only, never "predicted".
+        row["model"] = None if depth > 2 else {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
         row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])
         ref_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == ref}
         same = [r["tokens"] == ref_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ref_tokens]

@@ -24,8 +24,8 @@ def _get(ratios: dict[str, Any], key: str) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """Two tables: the paired speedups per setting (median, 95 % CI), then every mode's figures."""
-    lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | model dsd/ar | ready (dsd) | "
-             "pairs | load before → after |", "|" + "---|" * 12]
+    lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | model dsd/ar | model sd/ar | "
+             "ready (dsd) | pairs | load before → after |", "|" + "---|" * 13]
     rows = ["| model | N | t1/t0 | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
             "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 17]
     trees = ["| model | N | t1/t0 | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
@@ -34,10 +34,11 @@ def markdown_table(results: dict[str, Any]) -> str:
         summ, cal, prov = s.get("summary") or {}, s["calibration"], s["provenance"]
         ratios, modes = summ.get("ratios", {}), summ.get("modes", {})
         dsd = modes.get("dsd", {})
+        model = {m: fmt((modes.get(m, {}).get("model") or {}).get("speedup_vs_ar")) for m in ("dsd", "sd")}
         load = f"{prov['load_before'][0]:.1f} → {prov.get('load_after', [float('nan')])[0]:.1f}"
         lines.append(
             f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {cal['t0_s'] * 1000:.0f} | {cal['latency_ms']:.0f} | "
-            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {fmt((dsd.get('model') or {}).get('speedup_vs_ar'))}× | "
+            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {model['dsd']}× | {model['sd']}× | "
             f"{fmt(dsd.get('ready_share'))} | {ratios.get('dsd/ar', {}).get('pairs', 0)} | {load} |")
         for mode, r in modes.items():
             med, lo, hi = r["median_tokens_per_s"]

@@ -4,6 +4,7 @@ cases), the paper's formula against its own worked numbers, and the paired-speed
 from __future__ import annotations
 
 import json
+import random
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -24,11 +25,14 @@ from dsd_sweep import (  # noqa: E402
     setting_options,
 )
 from sweep_model import (  # noqa: E402
+    GAMMA_MAX,
+    LOOKAHEAD,
     best_gamma,
     bootstrap_median,
     expected_tokens,
     interp,
     paper_prediction,
+    pipelined_round,
     predict,
     ready_probability,
     summarize,
@@ -132,17 +136,71 @@ def test_summarize_pairs_runs_of_the_same_prompt_and_repetition() -> None:
     assert s["modes"]["sd"]["hidden_used_share"] == 0.0
 
 
-def test_pipelined_dsd_gets_no_prediction_but_serial_dsd_does() -> None:
-    """The timing model describes one window in flight: a pipelined dsd row must not carry its prediction."""
+def test_pipelined_dsd_is_predicted_with_two_windows_in_flight_and_deeper_pipelines_are_not() -> None:
+    """Pipelined dsd has its own prediction (sending the bet ahead saves waits: faster than serial dsd);
+    a pipeline deeper than the model describes is measured only."""
     runs = []
     for rep in (1, 2):
         runs += [_run("A", rep, "ar", 1.0, [1]), _run("A", rep, "dsd-serial", 2.0, [1]), _run("A", rep, "dsd", 3.0, [1])]
-    piped = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs, "options": {"pipeline": 2}})
-    assert piped["modes"]["dsd"]["model"] is None
-    assert piped["modes"]["dsd-serial"]["model"]["speedup_vs_ar"] > 1.0
+    slow_draft = cal(alpha=0.9, alt_hit=0.5, draft_s_per_token=0.1, branch_step_s=0.1)
+    piped = summarize({"peers": 4, "calibration": slow_draft, "runs": runs, "options": {"pipeline": 2}})
+    assert piped["modes"]["dsd"]["model"]["speedup_vs_ar"] > piped["modes"]["dsd-serial"]["model"]["speedup_vs_ar"] > 1.0
     assert piped["ratios"]["dsd/dsd-serial"]["median"] == pytest.approx(1.5)
-    serial = summarize({"peers": 4, "calibration": cal(alpha=0.7), "runs": runs, "options": {"pipeline": 1}})
+    serial = summarize({"peers": 4, "calibration": slow_draft, "runs": runs, "options": {"pipeline": 1}})
     assert serial["modes"]["dsd"]["model"] == serial["modes"]["dsd-serial"]["model"]
+    deep = summarize({"peers": 4, "calibration": slow_draft, "runs": runs, "options": {"pipeline": 3}})
+    assert deep["modes"]["dsd"]["model"] is None and deep["modes"]["dsd-serial"]["model"] is not None
+    with pytest.raises(ValueError, match="at most 2 windows"):
+        predict("dsd", slow_draft, 4, pipeline=3)
+
+
+def test_pipelined_model_reduces_to_serial_dsd_when_no_bet_can_win_or_go_out_in_time() -> None:
+    # Never full acceptance: nothing sent ahead is ever used, so each window waits for its verdict and
+    # is ready only when an alternative was right (serial dsd's rule with P = alt_hit).
+    never = cal(alpha=0.0, alt_hit=0.5)
+    assert predict("dsd", never, 3, pipeline=2)["s_per_token"] == pytest.approx(predict("dsd", never, 3)["s_per_token"])
+    # Bets that take longer to draft than the trip never go out early: serial dsd.
+    slow = cal(alpha=0.9, alt_hit=0.5, branch_step_s=1.0)
+    assert predict("dsd", slow, 3, pipeline=2)["s_per_token"] == pytest.approx(predict("dsd", slow, 3)["s_per_token"])
+    # Every bet wins and the bets are quick: two windows share each trip, so half a trip per window.
+    r = 5 * 0.5 + 4 * interp(T0, 8) + 0.01
+    assert predict("dsd", cal(), 7, pipeline=2)["s_per_token"] == pytest.approx(r / 2 / 8)
+    # Every bet wins but drafting a bet takes longer than half a trip: windows leave one bet's drafting apart.
+    send = (1 + 7 + LOOKAHEAD) * 0.2
+    assert predict("dsd", cal(branch_step_s=0.2), 7, pipeline=2)["s_per_token"] == pytest.approx(send / 8)
+
+
+def _simulated_pipeline(p: float, r: float, send: float, after: float, windows: int, seed: int) -> float:
+    """The engine's policy replayed event by event: mean seconds between the verdicts of used windows."""
+    rng = random.Random(seed)
+    flying, last = [after], 0.0  # send times of the windows in flight, oldest first; the last verdict
+    for _ in range(windows):
+        verdict = flying[0] + r
+        if len(flying) < 2:  # room: the newest window's bet goes once drafted, if before this verdict
+            ahead = max(last, flying[-1] + send)
+            if ahead < verdict:
+                flying.append(ahead)
+        won = rng.random() < p
+        flying.pop(0)
+        last = verdict
+        if not (won and flying):  # a lost bet: what was sent ahead is dropped, the next goes after drafting
+            flying = [verdict + after]
+    return last / windows
+
+
+@pytest.mark.parametrize(("p", "send"), [(0.4, 0.5), (0.7, 0.5), (0.7, 1.4), (0.95, 0.9)])
+def test_pipelined_round_is_the_mean_of_the_pipeline_it_describes(p: float, send: float) -> None:
+    """The closed form averages runs of won bets; replaying the policy must give the same mean."""
+    r, after = 2.0, 0.3
+    sim = _simulated_pipeline(p, r, send, after, 200_000, seed=1)
+    assert pipelined_round(r, p, send, after) == pytest.approx(sim, rel=0.01)
+
+
+def test_the_models_window_limits_are_the_engines() -> None:
+    from dsd.node.head.config import LOOKAHEAD as ENGINE_LOOKAHEAD
+    from dsd.node.head.config import GenerationConfig
+
+    assert (LOOKAHEAD, GAMMA_MAX) == (ENGINE_LOOKAHEAD, GenerationConfig().gamma_max)
 
 
 def test_a_failed_run_is_counted_apart_and_never_enters_the_medians() -> None:
@@ -244,3 +302,29 @@ def test_merge_adopts_missing_grid_settings_run_with_the_same_options(tmp_path: 
     other.write_text("not json")
     with pytest.raises(SystemExit, match="not a sweep results file"):
         merge_settings({"settings_runs": []}, replace(opts, merge=[other]))
+
+
+def test_a_checkout_is_dirty_for_changed_code_but_not_for_the_benchmarks_own_results(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid's next setting starts after the bench rewrote its results file: that must not mark it dirty."""
+    import subprocess
+
+    import harness
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "grid.json").write_text("{}")
+    (tmp_path / "engine.py").write_text("x = 1\n")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    monkeypatch.setattr(harness, "REPO", tmp_path)
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path / "bench" / "results")
+    (tmp_path / "bench" / "results" / "grid.json").write_text('{"runs": [1]}')
+    assert not harness.git_commit().endswith("+dirty")
+    (tmp_path / "engine.py").write_text("x = 2\n")
+    assert harness.git_commit().endswith("+dirty")
