@@ -66,38 +66,99 @@ def markdown_table(results: dict[str, Any]) -> str:
     return out
 
 
+PANELS = ("dsd/ar", "sd/ar", "dsd/sd")  # the grid plot's panels; other paired ratios stay in the tables
+
+
+def _model(summ: dict[str, Any], name: str) -> float | None:
+    """The model's speedup for a `mode/ar` ratio (None for other ratios or an unmodelled mode)."""
+    if not name.endswith("/ar"):
+        return None
+    return (summ["modes"][name.split("/")[0]]["model"] or {}).get("speedup_vs_ar")
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Median end-to-end speedup vs t1/t0 with 95 % CI bars, one line per (N, ratio); the model dashed."""
+    """Median end-to-end speedups with 95 % CI bars, the model as crosses: over t1/t0 (one panel per
+    ratio, one line per N) when the file holds several t1/t0, else every paired ratio side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[int, str], list[tuple[float, float, float, float, float | None]]] = {}
-    for s in results["settings_runs"]:
-        summ = s.get("summary") or {}
-        for name, r in summ.get("ratios", {}).items():
-            model = None
-            if name in ("dsd/ar", "sd/ar"):
-                model = (summ["modes"][name.split("/")[0]]["model"] or {}).get("speedup_vs_ar")
-            series.setdefault((s["peers"], name), []).append((s["ratio"], r["median"], *r["ci95"], model))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, ((n, name), pts) in enumerate(sorted(series.items())):
-        pts.sort()
-        xs = [p[0] for p in pts]
-        color = f"C{i % 10}"
-        ax.errorbar(xs, [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
-                    fmt="o-", color=color, capsize=3, label=f"N={n} {name}")
-        if all(p[4] is not None for p in pts):
-            ax.plot(xs, [p[4] for p in pts], "x--", color=color, alpha=0.6)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("t1 / t0 (one-way link latency / one peer's decode step)")
-    ax.set_ylabel("end-to-end speedup (median, 95 % CI; dashed: model)")
-    ax.set_title("DSD over an emulated WAN (HumanEval, greedy)")
-    ax.legend(fontsize=7)
+    settings = [s for s in results["settings_runs"] if (s.get("summary") or {}).get("ratios")]
+    if len({s["ratio"] for s in settings}) > 1:
+        fig = _plot_over_ratio(plt, settings)
+    else:
+        fig = _plot_one_ratio(plt, settings)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_over_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
+    series: dict[tuple[str, int], list[tuple[float, float, float, float, float | None]]] = {}
+    for s in settings:
+        for name, r in s["summary"]["ratios"].items():
+            if name in PANELS:
+                series.setdefault((name, s["peers"]), []).append((s["ratio"], r["median"], *r["ci95"], _model(s["summary"], name)))
+    peers = sorted({n for _, n in series})
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.2))
+    for ax, name in zip(axes, PANELS, strict=True):
+        for i, n in enumerate(peers):
+            pts = sorted(series.get((name, n), []))
+            if not pts:
+                continue
+            shift = 0.08 * (i - (len(peers) - 1) / 2)  # side by side, so the CI bars of one t1/t0 do not hide each other
+            xs = [p[0] + shift for p in pts]
+            ax.errorbar(xs, [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                        fmt="o-", color=f"C{i}", capsize=3, label=f"N = {n}")
+            if all(p[4] is not None for p in pts):
+                ax.plot(xs, [p[4] for p in pts], "x--", color=f"C{i}", alpha=0.6)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(name + (" (x: model)" if name.endswith("/ar") else ""))
+        ax.set_xlabel("t1 / t0")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("end-to-end speedup (median, 95 % CI)")
+    fig.suptitle("DSD over an emulated WAN (HumanEval, greedy; t1 one-way link latency, t0 one peer's step)")
+    return fig
+
+
+def _plot_one_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
+    names = [n for n in dict.fromkeys(k for s in settings for k in s["summary"]["ratios"]) if not n.endswith("tokens/trip")]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.2))
+    for i, s in enumerate(settings):
+        ratios, shift = s["summary"]["ratios"], 0.1 * (i - (len(settings) - 1) / 2)
+        xs = [j + shift for j, n in enumerate(names) if n in ratios]
+        rs = [ratios[n] for n in names if n in ratios]
+        ax.errorbar(xs, [r["median"] for r in rs], yerr=[[r["median"] - r["ci95"][0] for r in rs],
+                                                         [r["ci95"][1] - r["median"] for r in rs]],
+                    fmt="o", color=f"C{i}", capsize=3, label=f"N = {s['peers']}, t1/t0 = {s['ratio']:g}")
+        model = [(j + shift, m) for j, n in enumerate(names) if n in ratios and (m := _model(s["summary"], n)) is not None]
+        if model:
+            ax.plot(*zip(*model, strict=True), "x", color=f"C{i}", ms=9, label="model" if i == 0 else None)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("end-to-end speedup (median, 95 % CI)")
+    ax.set_title("Paired speedups over an emulated WAN (HumanEval, greedy)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def grid_matrix(results: dict[str, Any]) -> str:
+    """The settings as an N × t1/t0 matrix of dsd/ar (dsd/sd): the grid at a glance; '…' = not finished."""
+    cells: dict[tuple[int, float], str] = {}
+    for s in results["settings_runs"]:
+        ratios = (s.get("summary") or {}).get("ratios", {})
+        if "dsd/ar" in ratios:
+            opts = s.get("options") or {}
+            done = ratios["dsd/ar"]["pairs"] >= len(opts.get("problems", ())) * opts.get("reps", 0)
+            cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])} ({ratios['dsd/sd']['median']:.2f}× sd)"
+                                               + ("" if done else f" … {ratios['dsd/ar']['pairs']} of {len(opts['problems']) * opts['reps']} pairs"))
+    if not cells:
+        return ""
+    ns, rs = sorted({n for n, _ in cells}), sorted({r for _, r in cells})
+    lines = ["| dsd/ar [95 % CI] (dsd/sd) | " + " | ".join(f"t1/t0 = {r:g}" for r in rs) + " |", "|---" * (len(rs) + 1) + "|"]
+    lines += [f"| N = {n} | " + " | ".join(cells.get((n, r), "-") for r in rs) + " |" for n in ns]
+    return "\n".join(lines) + "\n"
 
 
 def attach_federated(results: dict[str, Any]) -> None:
@@ -142,7 +203,9 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
                   for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
         for s in results["settings_runs"])
-    stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n" + markdown_table(results))
+    matrix = grid_matrix(results)
+    stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n"
+                                       + (f"{matrix}\n" if matrix else "") + markdown_table(results))
     if any(s.get("summary") for s in results["settings_runs"]):
         plot(results, stem.with_suffix(".png"))
 

@@ -328,3 +328,33 @@ def test_a_checkout_is_dirty_for_changed_code_but_not_for_the_benchmarks_own_res
     assert not harness.git_commit().endswith("+dirty")
     (tmp_path / "engine.py").write_text("x = 2\n")
     assert harness.git_commit().endswith("+dirty")
+
+
+def test_the_grid_matrix_places_each_setting_and_marks_the_unfinished() -> None:
+    from sweep_report import grid_matrix
+
+    def setting(peers: int, ratio: float, pairs: int) -> dict:
+        r = {"median": 4.0, "ci95": [3.0, 5.0], "pairs": pairs}
+        return {"peers": peers, "ratio": ratio, "options": {"problems": list(range(10)), "reps": 3},
+                "summary": {"ratios": {"dsd/ar": r, "dsd/sd": {**r, "median": 1.3}}}}
+
+    table = grid_matrix({"settings_runs": [setting(3, 3.0, 30), setting(4, 10.0, 7)]}).splitlines()
+    assert table[0] == "| dsd/ar [95 % CI] (dsd/sd) | t1/t0 = 3 | t1/t0 = 10 |"
+    assert table[2] == "| N = 3 | 4.00× [3.00, 5.00] (1.30× sd) | - |"
+    assert table[3] == "| N = 4 | - | 4.00× [3.00, 5.00] (1.30× sd) … 7 of 30 pairs |"
+
+
+@pytest.mark.parametrize("ratios", [(5.0,), (3.0, 5.0)])
+def test_the_plot_draws_one_setting_and_a_grid(tmp_path: Path, ratios: tuple[float, ...]) -> None:
+    """One t1/t0: every paired ratio side by side; several: one panel per ratio over t1/t0."""
+    from sweep_report import plot
+
+    runs = []
+    for rep in (1, 2):
+        runs += [_run("A", rep, "ar", 1.0, [1]), _run("A", rep, "sd", 2.0, [1]), _run("A", rep, "dsd", 3.0, [1])]
+    settings = [{"peers": n, "ratio": r, "runs": runs, "calibration": cal(alpha=0.7), "options": {"pipeline": 2}}
+                for n in (3, 4) for r in ratios]
+    for s in settings:
+        s["summary"] = summarize(s)
+    plot({"settings_runs": settings}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
