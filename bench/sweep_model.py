@@ -164,12 +164,20 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def decode_tokens_per_s(run: dict[str, Any]) -> float:
+    """A run's speed after the prompt's trip (which yields its first token and costs every mode the same)."""
+    decoding = run["elapsed_s"] - run["prefill_s"]
+    return (run["new_tokens"] - 1) / decoding if decoding > 0 and run["new_tokens"] > 1 else 0.0
+
+
 def _paired(setting: dict[str, Any], num: str, den: str, key: str = "tokens_per_s") -> list[list[float]]:
-    """Per prompt: the ratio num/den of `key` in each repetition (the two runs were adjacent in time)."""
+    """Per prompt: the ratio num/den of `key` in each repetition (the two runs were adjacent in time);
+    `key` is a run's field, or "decode_tokens_per_s"."""
     by: dict[tuple[str, int], dict[str, float]] = {}
     for r in setting["runs"]:
         if "error" not in r:
-            by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = r[key]
+            value = decode_tokens_per_s(r) if key == "decode_tokens_per_s" else r[key]
+            by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = value
     groups: dict[str, list[float]] = {}
     for (task, _), modes in by.items():
         if num in modes and den in modes and modes[den] > 0:
@@ -217,6 +225,9 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         if groups:
             med, lo, hi = bootstrap_median(groups)
             out["ratios"][f"{num}/{den}"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+            if den == "ar":  # what the timing model predicts: decoding, without the prompt's trip
+                med, lo, hi = bootstrap_median(_paired(setting, num, den, "decode_tokens_per_s"))
+                out["ratios"][f"{num}/{den} decode"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
                 med, lo, hi = bootstrap_median(_paired(setting, num, den, "tokens_per_trip"))
                 out["ratios"][f"{num}/{den} tokens/trip"] = {"median": med, "ci95": [lo, hi],

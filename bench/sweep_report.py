@@ -24,8 +24,8 @@ def _get(ratios: dict[str, Any], key: str) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """Two tables: the paired speedups per setting (median, 95 % CI), then every mode's figures."""
-    lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | model dsd/ar | model sd/ar | "
-             "ready (dsd) | pairs | load before → after |", "|" + "---|" * 13]
+    lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | dsd/ar decoding | model dsd/ar | "
+             "sd/ar decoding | model sd/ar | ready (dsd) | pairs | load before → after |", "|" + "---|" * 15]
     rows = ["| model | N | t1/t0 | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
             "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 17]
     trees = ["| model | N | t1/t0 | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
@@ -38,7 +38,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         load = f"{prov['load_before'][0]:.1f} → {prov.get('load_after', [float('nan')])[0]:.1f}"
         lines.append(
             f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {cal['t0_s'] * 1000:.0f} | {cal['latency_ms']:.0f} | "
-            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {model['dsd']}× | {model['sd']}× | "
+            f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {_get(ratios, 'dsd/ar decode')} | {model['dsd']}× | "
+            f"{_get(ratios, 'sd/ar decode')} | {model['sd']}× | "
             f"{fmt(dsd.get('ready_share'))} | {ratios.get('dsd/ar', {}).get('pairs', 0)} | {load} |")
         for mode, r in modes.items():
             med, lo, hi = r["median_tokens_per_s"]
@@ -51,7 +52,7 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"{r['drafting_exposed_s']:.1f} | {r['bytes_per_token'] / 1024:.0f} KiB | {same} | "
                 f"{fmt(r.get('pass_at_1'))} |")
         for name, r in ratios.items():
-            if ("-chain" in name or "-serial" in name) and not name.endswith("tokens/trip"):
+            if ("-chain" in name or "-serial" in name) and not name.endswith(("tokens/trip", "decode")):
                 trip = ratios.get(f"{name} tokens/trip")
                 trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {name} | {_ci(r)} | "
                              f"{_ci(trip) if trip else '-'} | {r['pairs']} |")
@@ -66,19 +67,19 @@ def markdown_table(results: dict[str, Any]) -> str:
     return out
 
 
-PANELS = ("dsd/ar", "sd/ar", "dsd/sd")  # the grid plot's panels; other paired ratios stay in the tables
+PANELS = ("dsd/ar", "sd/ar", "dsd/sd", "dsd/ar decode", "sd/ar decode")  # the grid plot's; the rest stay in the tables
 
 
 def _model(summ: dict[str, Any], name: str) -> float | None:
-    """The model's speedup for a `mode/ar` ratio (None for other ratios or an unmodelled mode)."""
-    if not name.endswith("/ar"):
+    """The model's speedup for a `mode/ar decode` ratio: it describes decoding after the prompt's trip."""
+    if not name.endswith("/ar decode"):
         return None
     return (summ["modes"][name.split("/")[0]]["model"] or {}).get("speedup_vs_ar")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Median end-to-end speedups with 95 % CI bars, the model as crosses: over t1/t0 (one panel per
-    ratio, one line per N) when the file holds several t1/t0, else every paired ratio side by side."""
+    """Median speedups with 95 % CI bars, the model as crosses beside decoding: over t1/t0 (one panel
+    per ratio, one line per N) when the file holds several t1/t0, else every paired ratio side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,13 +97,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def _plot_over_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
     series: dict[tuple[str, int], list[tuple[float, float, float, float, float | None]]] = {}
+    ready: dict[int, list[tuple[float, float]]] = {}
     for s in settings:
         for name, r in s["summary"]["ratios"].items():
             if name in PANELS:
                 series.setdefault((name, s["peers"]), []).append((s["ratio"], r["median"], *r["ci95"], _model(s["summary"], name)))
+        if "dsd" in s["summary"]["modes"]:
+            ready.setdefault(s["peers"], []).append((s["ratio"], 100 * s["summary"]["modes"]["dsd"]["ready_share"]))
     peers = sorted({n for _, n in series})
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.2))
-    for ax, name in zip(axes, PANELS, strict=True):
+    fig, axes = plt.subplots(2, 3, figsize=(12, 7.5))
+    for ax, name in zip(axes.flat, PANELS, strict=False):
         for i, n in enumerate(peers):
             pts = sorted(series.get((name, n), []))
             if not pts:
@@ -114,10 +118,19 @@ def _plot_over_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
             if all(p[4] is not None for p in pts):
                 ax.plot(xs, [p[4] for p in pts], "x--", color=f"C{i}", alpha=0.6)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(name + (" (x: model)" if name.endswith("/ar") else ""))
+        ax.set_title(name.replace(" decode", ", decoding (x: model)") + ("" if name.endswith("decode") else ", end to end"))
         ax.set_xlabel("t1 / t0")
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("end-to-end speedup (median, 95 % CI)")
+    ax = axes.flat[len(PANELS)]
+    for i, n in enumerate(peers):
+        pts = sorted(ready.get(n, []))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i}", label=f"N = {n}")
+    ax.set_ylim(0, 100)
+    ax.set_title("dsd: windows ready at the verdict (%)")
+    ax.set_xlabel("t1 / t0")
+    ax.legend(fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("speedup (median, 95 % CI)")
     fig.suptitle("DSD over an emulated WAN (HumanEval, greedy; t1 one-way link latency, t0 one peer's step)")
     return fig
 
@@ -137,7 +150,7 @@ def _plot_one_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
             ax.plot(*zip(*model, strict=True), "x", color=f"C{i}", ms=9, label="model" if i == 0 else None)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylabel("end-to-end speedup (median, 95 % CI)")
+    ax.set_ylabel("speedup (median, 95 % CI); decode: after the prompt's trip")
     ax.set_title("Paired speedups over an emulated WAN (HumanEval, greedy)")
     ax.legend(fontsize=8)
     return fig

@@ -134,6 +134,11 @@ def test_summarize_pairs_runs_of_the_same_prompt_and_repetition() -> None:
     assert s["modes"]["dsd"]["ready_share"] == pytest.approx(2 / 3)
     assert s["modes"]["dsd"]["hidden_used_share"] == pytest.approx(1.0)
     assert s["modes"]["sd"]["hidden_used_share"] == 0.0
+    # Decoding alone (what the timing model predicts): the prompt's trip (0.1 s in every run) left out,
+    # so the ratio differs by prompt (A's runs take 2 s in ar, B's 1 s); the median lies between the two.
+    a, b = (2 - 0.1) / (2 / 3 - 0.1), (1 - 0.1) / (1 / 3 - 0.1)
+    assert s["ratios"]["dsd/ar decode"]["median"] == pytest.approx((a + b) / 2)
+    assert "dsd/sd decode" not in s["ratios"]
 
 
 def test_pipelined_dsd_is_predicted_with_two_windows_in_flight_and_deeper_pipelines_are_not() -> None:
