@@ -235,6 +235,18 @@ def link_latency_ms(ratio: float, t0_s: float) -> float:
     return ratio * t0_s * 1000
 
 
+def route_mismatch(hops: Sequence[Any], cal: dict[str, Any]) -> str | None:
+    """Why a planned route does not match the setting's calibration, or None: the route must cross N peers
+    and its largest span must be the one t0 was measured on, or the run's t1/t0 is not the setting's."""
+    spans = [h.end - h.start for h in hops if not getattr(h, "local", False)]
+    if len(spans) != cal["peers"]:
+        return f"the route crosses {len(spans)} peers, the setting is N = {cal['peers']}"
+    if max(spans) != cal["layers_per_peer"]:
+        return (f"the route's largest span has {max(spans)} layers, t0 was measured over {cal['layers_per_peer']}: "
+                "t1/t0 would not be the setting's")
+    return None
+
+
 def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Workload) -> list[tuple[int, dict[str, Any]]]:
     """The (rep, prompt) pairs a setting still lacks: never run, or ended by a failed run."""
     failed = {(r["rep"], r["task_id"]) for r in setting["runs"] if "error" in r}
@@ -278,6 +290,8 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
         async def main() -> None:
             async with head_node([state.bootstrap], LinkProfile.from_options(latency_ms)) as (node, legs):
                 hops = await plan_once(node, setup.model_id, setup.num_layers)
+                if why := route_mismatch(hops, cal):
+                    raise SystemExit(f"setting {setting['key']}: {why}")
                 setting["route"] = [[h.start, h.end] for h in hops]
                 for rep, problem in todo:
                     setting["runs"].extend(await run_prompt(node, legs, hops, setup, workload, problem, rep, opts, eos))

@@ -20,6 +20,7 @@ from dsd_sweep import (  # noqa: E402
     cut_completion,
     merge_settings,
     option_mismatch,
+    route_mismatch,
     run_setting,
     run_setting_todo,
     setting_options,
@@ -363,3 +364,17 @@ def test_the_plot_draws_one_setting_and_a_grid(tmp_path: Path, ratios: tuple[flo
         s["summary"] = summarize(s)
     plot({"settings_runs": settings}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_route_must_cross_n_peers_with_the_span_t0_was_measured_on() -> None:
+    """N = 8 over 28 layers: spans of 4 and 3, t0 measured over 4; any other route would mislabel t1/t0."""
+    calibration = cal(peers=8, layers_per_peer=4)
+
+    def hops(*spans: tuple[int, int]) -> list[SimpleNamespace]:
+        return [SimpleNamespace(start=a, end=b, local=False) for a, b in spans]
+
+    even = hops((0, 4), (4, 8), (8, 12), (12, 16), (16, 19), (19, 22), (22, 25), (25, 28))
+    assert route_mismatch(even, calibration) is None
+    lumpy = hops((0, 5), (5, 8), (8, 12), (12, 16), (16, 19), (19, 22), (22, 25), (25, 28))
+    assert "largest span has 5 layers, t0 was measured over 4" in route_mismatch(lumpy, calibration)
+    assert "crosses 7 peers" in route_mismatch(even[:7], calibration)
