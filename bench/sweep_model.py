@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial")
@@ -170,19 +170,24 @@ def decode_tokens_per_s(run: dict[str, Any]) -> float:
     return (run["new_tokens"] - 1) / decoding if decoding > 0 and run["new_tokens"] > 1 else 0.0
 
 
-def _paired(setting: dict[str, Any], num: str, den: str, key: str = "tokens_per_s") -> list[list[float]]:
-    """Per prompt: the ratio num/den of `key` in each repetition (the two runs were adjacent in time);
-    `key` is a run's field, or "decode_tokens_per_s"."""
+def _paired(setting: dict[str, Any], num: str, den: str,
+            value: Callable[[dict[str, Any]], float] = lambda r: r["tokens_per_s"]) -> list[list[float]]:
+    """Per prompt: the ratio num/den of a run's `value` in each repetition (the two runs were adjacent in time)."""
     by: dict[tuple[str, int], dict[str, float]] = {}
     for r in setting["runs"]:
         if "error" not in r:
-            value = decode_tokens_per_s(r) if key == "decode_tokens_per_s" else r[key]
-            by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = value
+            by.setdefault((r["task_id"], r["rep"]), {})[r["mode"]] = value(r)
     groups: dict[str, list[float]] = {}
     for (task, _), modes in by.items():
         if num in modes and den in modes and modes[den] > 0:
             groups.setdefault(task, []).append(modes[num] / modes[den])
     return list(groups.values())
+
+
+def _ratio(groups: list[list[float]], pairs: int) -> dict[str, Any]:
+    """A paired ratio's median, its bootstrap 95 % interval and how many pairs it rests on."""
+    med, lo, hi = bootstrap_median(groups)
+    return {"median": med, "ci95": [lo, hi], "pairs": pairs}
 
 
 def pipeline_depth(mode: str, setting: dict[str, Any]) -> int:
@@ -223,13 +228,10 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     for num, den in RATIOS:
         groups = _paired(setting, num, den)
         if groups:
-            med, lo, hi = bootstrap_median(groups)
-            out["ratios"][f"{num}/{den}"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+            pairs = sum(len(g) for g in groups)
+            out["ratios"][f"{num}/{den}"] = _ratio(groups, pairs)
             if den == "ar":  # what the timing model predicts: decoding, without the prompt's trip
-                med, lo, hi = bootstrap_median(_paired(setting, num, den, "decode_tokens_per_s"))
-                out["ratios"][f"{num}/{den} decode"] = {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+                out["ratios"][f"{num}/{den} decode"] = _ratio(_paired(setting, num, den, decode_tokens_per_s), pairs)
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
-                med, lo, hi = bootstrap_median(_paired(setting, num, den, "tokens_per_trip"))
-                out["ratios"][f"{num}/{den} tokens/trip"] = {"median": med, "ci95": [lo, hi],
-                                                             "pairs": sum(len(g) for g in groups)}
+                out["ratios"][f"{num}/{den} tokens/trip"] = _ratio(_paired(setting, num, den, lambda r: r["tokens_per_trip"]), pairs)
     return out
