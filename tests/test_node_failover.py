@@ -49,8 +49,10 @@ def pid_of(testnet: dict, peer_id: str) -> int:
     return next(p["pid"] for p in testnet["peers"] if p["peer_id"] == peer_id)
 
 
-async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str], sig: int = signal.SIGKILL):
-    """Generate greedily; after the given numbers of tokens, signal the route's hop at the given position."""
+async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str], sig: int = signal.SIGKILL,
+                         freeze_first: int | None = None):
+    """Generate greedily; after the given numbers of tokens, signal the route's hop at the given position
+    (SIGSTOPping `freeze_first` just before)."""
     head = store.load_head()
     killed: list[str] = []
     killed_at: list[float] = []
@@ -71,6 +73,8 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
                         del kill_after[threshold]
                         hops = keeper.session.hops
                         victim = hops[0] if which == "first" else hops[-1]
+                        if freeze_first is not None:
+                            os.kill(freeze_first, signal.SIGSTOP)
                         os.kill(pid_of(testnet, victim.peer_id), sig)
                         killed_at.append(time.monotonic())
                         killed.append(victim.peer_id)
@@ -86,8 +90,15 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
 
 
 def test_sigterm_mid_generation_fails_over_and_the_peer_exits_cleanly(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
+    """The bootstrap DHT node is frozen as the peer is stopped: the peer's withdrawal waits on it, and
+    its sessions must end at once all the same (the rest of the generation takes well under a second)."""
     store = Store(tiny_qwen2_root / "store")
-    result, error, _, events, stopped = trio.run(run_with_kills, replicated, store, {12: "first"}, signal.SIGTERM)
+    boot = next(p["pid"] for p in replicated["peers"] if p["role"] == "bootstrap")
+    try:
+        result, error, _, events, stopped = trio.run(run_with_kills, replicated, store, {12: "first"}, signal.SIGTERM,
+                                                     boot)
+    finally:
+        os.kill(boot, signal.SIGCONT)
     assert error is None, error
     assert result.tokens == expected
     assert len(events) == 1 and events[0].blamed == stopped

@@ -92,7 +92,7 @@ async def _serve_until_signal(
     cfg: DaemonConfig, node: P2PNode, info: dict, server: BlockServer | None, announcer: Announcer | None,
     task_status: trio.TaskStatus[dict],
 ) -> None:
-    """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and end the sessions."""
+    """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and end the sessions together."""
     print(f"dsd-node {node.peer_id} listening on {' '.join(node.addrs)}", flush=True)
     if cfg.ready_file:
         atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())
@@ -101,10 +101,17 @@ async def _serve_until_signal(
         async for signum in signals:
             log.warning("received %s: shutting down", signal.Signals(signum).name)
             break
-    # Stop announcing first so heads re-plan around us, then end sessions with an error frame.
-    if announcer is not None:
-        with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
-            await announcer.stop()
-    if server is not None:
-        await server.shutdown(SHUTDOWN_DEADLINE_S / 2)
+    # Withdraw the records and end the sessions (with an error frame) at once: a withdrawal can wait on
+    # a publication in flight, and sessions served meanwhile would keep heads on a peer that is leaving.
+    # Heads blacklist the peer whose error ended their session, so a record still listed misleads none.
+    async with trio.open_nursery() as stopping:
+        if announcer is not None:
+            stopping.start_soon(_withdraw, announcer)
+        if server is not None:
+            stopping.start_soon(server.shutdown, SHUTDOWN_DEADLINE_S / 2)
     log.warning("shut down cleanly")
+
+
+async def _withdraw(announcer: Announcer) -> None:
+    with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
+        await announcer.stop()
