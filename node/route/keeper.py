@@ -33,7 +33,7 @@ from dsd.discovery.host import P2PNode
 from dsd.discovery.planner import RoutePlan
 from dsd.discovery.survey import survey
 from dsd.discovery.tasks import owned_nursery
-from dsd.node.head.deadline import DeadlineRule, RoundPrior
+from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes
 from dsd.protocol import Hop, WireFormat
 
 from .deadline import SilentHopError, first_silent, ping_hops, short, slowest_hop, time_prefixes
@@ -92,7 +92,8 @@ class RouteKeeper:
     that session's cancel scope, so closing a failed session stops just its watcher; a replaced
     session is closed there in the background. `deadline` holds the constants of the deadline and
     slowness rule; a ping to a hop waits `ping_timeout_s` + `ping_rtts` × the RTT the last survey
-    measured to it (`probe_timeout_s` when none did). `blocks` = (start, end) routes only those layers
+    measured to it (when none did, `ping_timeout_s` + 2 × the route's expected one-token round, at
+    least `probe_timeout_s`). `blocks` = (start, end) routes only those layers
     (the head serves the others itself); default every layer.
     """
 
@@ -190,12 +191,18 @@ class RouteKeeper:
         if session is not None:
             await session.close()  # best effort within its own deadline: the old route may be broken
 
-    def ping_timeouts(self, hops: Sequence[Hop]) -> dict[str, float]:
-        """How long a ping to each hop may take: a floor plus a few of its measured RTTs."""
+    def ping_timeouts(self, hops: Sequence[Hop], rounds: RoundTimes | None = None) -> dict[str, float]:
+        """How long a ping to each hop may take: a floor plus a few of its surveyed RTTs. A hop no survey
+        measured (a route given, not planned) gets the floor plus twice the route's expected one-token
+        round from `rounds`, which crosses every link a ping to any hop does, and never less than
+        `probe_timeout_s`: on links slower than that, a fixed timeout would blame every live hop."""
+        round_s = None if rounds is None else rounds.expected_s(1)
+        unsurveyed = self.probe_timeout_s if round_s is None else max(self.probe_timeout_s,
+                                                                     self.ping_timeout_s + 2 * round_s)
         out: dict[str, float] = {}
         for hop in hops:
             rtt = self._rtts.get(hop.peer_id)
-            out[hop.peer_id] = self.probe_timeout_s if rtt is None else self.ping_timeout_s + self.ping_rtts * rtt
+            out[hop.peer_id] = unsurveyed if rtt is None else self.ping_timeout_s + self.ping_rtts * rtt
         return out
 
     async def _trial(self, session: RouteSession, tokens: int) -> list[float | None]:
@@ -207,7 +214,7 @@ class RouteKeeper:
     async def _late(self, session: RouteSession, missed: int) -> None:
         """A window of `session` missed its deadline `missed` times: find a silent hop, or wait on."""
         self.late_checks += 1
-        silent = await ping_hops(self.node, session.hops, self.ping_timeouts(session.hops))
+        silent = await ping_hops(self.node, session.hops, self.ping_timeouts(session.hops, session.rounds))
         if silent:
             names = ", ".join(short(p) for p in silent)
             raise SilentHopError(f"no result by the deadline and {names} did not answer a ping", silent, unreachable=True)
@@ -256,9 +263,9 @@ class RouteKeeper:
         raise SilentHopError(f"hop {short(peer)} is slow: rounds of {measured:.2f} s where a route without it "
                              f"is estimated at {faster:.2f} s", [peer], code="slow")
 
-    async def _blame(self, error: RouteError, hops: list[Hop]) -> tuple[list[str], bool]:
+    async def _blame(self, error: RouteError, hops: list[Hop], rounds: RoundTimes | None) -> tuple[list[str], bool]:
         """Peers to blacklist: those not answering a ping (True), else the one the error blames (False)."""
-        dead = await ping_hops(self.node, hops, self.ping_timeouts(hops))
+        dead = await ping_hops(self.node, hops, self.ping_timeouts(hops, rounds))
         if dead:
             return dead, True
         return ([error.peer] if error.peer else []), False
@@ -277,7 +284,7 @@ class RouteKeeper:
         if isinstance(error, SilentHopError):
             blamed, unreachable = error.peers, error.unreachable
         else:
-            blamed, unreachable = await self._blame(error, hops)
+            blamed, unreachable = await self._blame(error, hops, old.rounds if old is not None else None)
         for peer in blamed:
             backoff = self.blacklist.add(peer)
             log.warning("route failed (%s): blacklisting %s for %.0f s", error, peer, backoff)
