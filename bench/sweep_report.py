@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,7 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
         + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}{resumed_speed(r)}"
                   for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
+        + "".join(f"; {n} discarded ({why})" for why, n in Counter(r["reason"] for r in s.get("discarded", [])).items())
         for s in results["settings_runs"])
     matrix = grid_matrix(results)
     stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n"

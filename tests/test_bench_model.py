@@ -229,6 +229,21 @@ def test_resume_reruns_a_prompt_whose_run_failed_in_every_mode() -> None:
     assert todo == [(1, "B"), (2, "A"), (2, "B")]
 
 
+def test_a_discarded_run_is_shown_with_its_reason_and_its_prompt_runs_again(tmp_path: Path) -> None:
+    """Runs set apart by hand (say, disturbed by other work on the machine) are named in the report with
+    the reason, kept out of the medians, and their prompt is run again on resume."""
+    from sweep_report import write_outputs
+
+    discarded = {**_run("B", 1, "ar", 1.0, [1]), "reason": "ran beside the tests"}
+    setting = {"key": "real-N4-r3", "models": "real", "peers": 4, "ratio": 3.0, "calibration": cal(), "runs": [_run("A", 1, "ar", 1.0, [1])],
+               "discarded": [discarded],
+               "provenance": {"commit": "c" * 40, "dirty": False, "command": "x", "load_before": [1.0, 1.0, 1.0]}}
+    write_outputs({"name": "grid", "date": "d", "settings_runs": [setting]}, tmp_path / "grid")
+    assert "1 runs; 1 discarded (ran beside the tests)" in (tmp_path / "grid.md").read_text()
+    opts, workload = SimpleNamespace(reps=1), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
+    assert [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, setting, workload)] == [(1, "B")]
+
+
 def _setting(key: str, peers: int, ratio: float, opts: SweepOptions, **options: object) -> dict:
     return {"key": key, "models": "real", "peers": peers, "ratio": ratio, "runs": [_run("A", 1, "ar", 1.0, [1])],
             "options": {**setting_options(opts), **options}, "calibration": cal(), "provenance": {"commit": "c"}}
