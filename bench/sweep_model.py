@@ -184,10 +184,10 @@ def _paired(setting: dict[str, Any], num: str, den: str,
     return list(groups.values())
 
 
-def _ratio(groups: list[list[float]], pairs: int) -> dict[str, Any]:
+def _ratio(groups: list[list[float]]) -> dict[str, Any]:
     """A paired ratio's median, its bootstrap 95 % interval and how many pairs it rests on."""
     med, lo, hi = bootstrap_median(groups)
-    return {"median": med, "ci95": [lo, hi], "pairs": pairs}
+    return {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
 
 
 def pipeline_depth(mode: str, setting: dict[str, Any]) -> int:
@@ -228,10 +228,9 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     for num, den in RATIOS:
         groups = _paired(setting, num, den)
         if groups:
-            pairs = sum(len(g) for g in groups)
-            out["ratios"][f"{num}/{den}"] = _ratio(groups, pairs)
+            out["ratios"][f"{num}/{den}"] = _ratio(groups)
             if den == "ar":  # what the timing model predicts: decoding, without the prompt's trip
-                out["ratios"][f"{num}/{den} decode"] = _ratio(_paired(setting, num, den, decode_tokens_per_s), pairs)
+                out["ratios"][f"{num}/{den} decode"] = _ratio(_paired(setting, num, den, decode_tokens_per_s))
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
-                out["ratios"][f"{num}/{den} tokens/trip"] = _ratio(_paired(setting, num, den, lambda r: r["tokens_per_trip"]), pairs)
+                out["ratios"][f"{num}/{den} tokens/trip"] = _ratio(_paired(setting, num, den, lambda r: r["tokens_per_trip"]))
     return out

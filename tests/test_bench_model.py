@@ -240,6 +240,7 @@ def test_a_discarded_run_is_shown_with_its_reason_and_its_prompt_runs_again(tmp_
                "provenance": {"commit": "c" * 40, "dirty": False, "command": "x", "load_before": [1.0, 1.0, 1.0]}}
     write_outputs({"name": "grid", "date": "d", "settings_runs": [setting]}, tmp_path / "grid")
     assert "1 runs; 1 discarded (ran beside the tests)" in (tmp_path / "grid.md").read_text()
+    assert summarize(setting)["modes"]["ar"]["identical_to_ar"] == "1/1"  # B's discarded run is not counted
     opts, workload = SimpleNamespace(reps=1), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
     assert [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, setting, workload)] == [(1, "B")]
 

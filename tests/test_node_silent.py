@@ -225,8 +225,7 @@ def test_frozen_candidates_are_not_waited_for_when_planning(testnet: dict, froze
     async def plan() -> tuple[float, list[str]]:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             t0 = time.monotonic()
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=64,
-                                             probe_timeout_s=0.5) as keeper:
+            async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=64) as keeper:
                 return time.monotonic() - t0, keeper.session.peers
 
     usual, _ = trio.run(plan)

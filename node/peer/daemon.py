@@ -113,5 +113,6 @@ async def _serve_until_signal(
 
 
 async def _withdraw(announcer: Announcer) -> None:
+    """Withdraw the peer's records, giving up after half the shutdown deadline (their TTL ends them anyway)."""
     with trio.move_on_after(SHUTDOWN_DEADLINE_S / 2):
         await announcer.stop()

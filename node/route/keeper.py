@@ -191,7 +191,7 @@ class RouteKeeper:
         if session is not None:
             await session.close()  # best effort within its own deadline: the old route may be broken
 
-    def ping_timeouts(self, hops: Sequence[Hop], rounds: RoundTimes | None = None) -> dict[str, float]:
+    def ping_timeouts(self, hops: Sequence[Hop], rounds: RoundTimes | None) -> dict[str, float]:
         """How long a ping to each hop may take: a floor plus a few of its surveyed RTTs. A hop no survey
         measured (a route given, not planned) gets the floor plus twice the route's expected one-token
         round from `rounds`, which crosses every link a ping to any hop does, and never less than
