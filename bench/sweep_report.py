@@ -97,6 +97,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def _plot_over_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
+    """The grid's panels from its complete cells: a running cell's few pairs would read as a result."""
+    settings = [s for s in settings if cell_complete(s)]
     series: dict[tuple[str, int], list[tuple[float, float, float, float, float | None]]] = {}
     ready: dict[int, list[tuple[float, float]]] = {}
     for s in settings:
@@ -132,7 +134,8 @@ def _plot_over_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
     ax.legend(fontsize=8)
     for row in axes:
         row[0].set_ylabel("speedup (median, 95 % CI)")
-    fig.suptitle("DSD over an emulated WAN (HumanEval, greedy; t1 one-way link latency, t0 one peer's step)")
+    fig.suptitle("DSD over an emulated WAN (HumanEval, greedy; t1 one-way link latency, t0 one peer's step; "
+                 "complete cells only)")
     return fig
 
 
@@ -157,16 +160,27 @@ def _plot_one_ratio(plt: Any, settings: list[dict[str, Any]]) -> Any:
     return fig
 
 
+def _planned_pairs(setting: dict[str, Any]) -> int:
+    """How many (prompt, repetition) pairs the setting's options ask for; 0 when the file predates options."""
+    opts = setting.get("options") or {}
+    return len(opts.get("problems", ())) * opts.get("reps", 0)
+
+
+def cell_complete(setting: dict[str, Any]) -> bool:
+    """Whether a setting has paired every prompt and repetition it planned: a running cell's partial
+    medians are shown as such in the matrix and left out of the plot."""
+    ratios = (setting.get("summary") or {}).get("ratios", {})
+    return "dsd/ar" not in ratios or ratios["dsd/ar"]["pairs"] >= _planned_pairs(setting)
+
+
 def grid_matrix(results: dict[str, Any]) -> str:
     """The settings as an N × t1/t0 matrix of dsd/ar (dsd/sd): the grid at a glance; '…' = not finished."""
     cells: dict[tuple[int, float], str] = {}
     for s in results["settings_runs"]:
         ratios = (s.get("summary") or {}).get("ratios", {})
         if "dsd/ar" in ratios:
-            opts = s.get("options") or {}
-            done = ratios["dsd/ar"]["pairs"] >= len(opts.get("problems", ())) * opts.get("reps", 0)
             cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])} ({ratios['dsd/sd']['median']:.2f}× sd)"
-                                               + ("" if done else f" … {ratios['dsd/ar']['pairs']} of {len(opts['problems']) * opts['reps']} pairs"))
+                                               + ("" if cell_complete(s) else f" … {ratios['dsd/ar']['pairs']} of {_planned_pairs(s)} pairs"))
     if not cells:
         return ""
     ns, rs = sorted({n for n, _ in cells}), sorted({r for _, r in cells})

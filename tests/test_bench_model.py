@@ -382,6 +382,26 @@ def test_the_plot_draws_one_setting_and_a_grid(tmp_path: Path, ratios: tuple[flo
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_grid_plot_leaves_out_a_cell_still_running() -> None:
+    """A cell with 2 of its 30 pairs is in the matrix, marked; the plot draws only complete cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sweep_report import _plot_over_ratio
+
+    def setting(ratio: float, pairs: int, median: float) -> dict:
+        r = {"median": median, "ci95": [median - 1, median + 1], "pairs": pairs}
+        return {"peers": 8, "ratio": ratio, "options": {"problems": list(range(10)), "reps": 3},
+                "summary": {"ratios": {"dsd/ar": r}, "modes": {}}}
+
+    fig = _plot_over_ratio(plt, [setting(3.0, 30, 4.0), setting(5.0, 2, 9.0)])
+    drawn = [y for line in fig.axes[0].lines for y in line.get_ydata()]
+    plt.close(fig)
+    assert 4.0 in drawn
+    assert 9.0 not in drawn
+
+
 def test_a_route_must_cross_n_peers_with_the_span_t0_was_measured_on() -> None:
     """N = 8 over 28 layers: spans of 4 and 3, t0 measured over 4; any other route would mislabel t1/t0."""
     calibration = cal(peers=8, layers_per_peer=4)
