@@ -383,7 +383,7 @@ def test_the_plot_draws_one_setting_and_a_grid(tmp_path: Path, ratios: tuple[flo
 
 
 def test_the_grid_plot_leaves_out_a_cell_still_running() -> None:
-    """A cell with 2 of its 30 pairs is in the matrix, marked; the plot draws only complete cells."""
+    """A cell with 2 of its 30 pairs is left out of the grid plot (the matrix marks it, tested above)."""
     import matplotlib
 
     matplotlib.use("Agg")
