@@ -384,11 +384,12 @@ class DaemonSwarm:
 # --- raw frames and streams, as a hostile client sends them ---------------------------------------
 
 
-def raw_frame(body: dict) -> bytes:
-    """A frame of any wire map (msgpack with its 4-byte length): what the message classes refuse to build."""
+def raw_frame(body: dict | bytes) -> bytes:
+    """A frame of any wire map (msgpack), or of any bytes as they are, with its 4-byte length: what the
+    message classes refuse to build."""
     import msgpack
 
-    raw = msgpack.packb(body, use_bin_type=True)
+    raw = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
     return len(raw).to_bytes(4, "big") + raw
 
 

@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import signal
-import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -346,9 +345,10 @@ def test_hostile_requests_get_clear_errors_and_the_peer_keeps_serving(swarm: dic
             outcomes["one stream"] = got
             traversal = {**GetFile(sha_of["layer"], 0, 1).to_wire(), "sha256": "../../secret.bin"}
             huge = {**GetFile(sha_of["layer"], 0, 1).to_wire(), "length": 2**60}
-            garbage = random.Random(0).randbytes(296)  # a whole frame of it: a random header would 1 time in 64
-            # claim up to 64 MiB still to come, and the peer rightly waits for them
-            for label, data in {"garbage": struct.pack(">I", len(garbage)) + garbage, "4 GiB header": b"\xff\xff\xff\xff" + b"x" * 8,
+            # garbage in a whole frame: a random header would 1 time in 64 claim up to 64 MiB still to come,
+            # and the peer rightly waits for them
+            garbage = raw_frame(random.Random(0).randbytes(296))
+            for label, data in {"garbage": garbage, "4 GiB header": b"\xff\xff\xff\xff" + b"x" * 8,
                                 "path as a hash": raw_frame(traversal), "huge length": raw_frame(huge),
                                 "not a request": encode(Ping(7))}.items():
                 outcomes[label] = await raw_exchange(node, peer, SHARD_PROTOCOL, data)
