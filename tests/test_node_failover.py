@@ -15,6 +15,7 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import cli_testnet, hf_greedy
+from dsd.discovery.announce import fetch_records
 from dsd.discovery.planner import NoRouteError
 from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.engine import GenerationConfig, HeadEngine
@@ -43,6 +44,15 @@ def replicated(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
 def expected(tiny_qwen2_root: Path) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
     return hf_greedy(model, PROMPT, N_NEW)
+
+
+async def wait_for_records(testnet: dict, peer_ids: set[str], timeout_s: float = 30) -> None:
+    """Until a fresh head finds a live record of every peer in `peer_ids` (after the DHT was frozen past
+    the records' TTL, the peers republish within a refresh period or two)."""
+    async with head_node([testnet["bootstrap"]]) as (node, _):
+        with trio.fail_after(timeout_s):
+            while not peer_ids <= {r.peer_id for r in await fetch_records(node, MODEL, 5)}:
+                await trio.sleep(0.3)
 
 
 def pid_of(testnet: dict, peer_id: str) -> int:
@@ -109,6 +119,9 @@ def test_sigterm_mid_generation_fails_over_and_the_peer_exits_cleanly(replicated
     assert not pid_alive(peer["pid"])
     log = Path(peer["log"]).read_text()
     assert "received SIGTERM" in log and "shut down cleanly" in log
+    # The next tests share this swarm: its records expired while the bootstrap was frozen (TTL 6 s).
+    trio.run(wait_for_records, replicated, {p["peer_id"] for p in replicated["peers"]
+                                            if p["role"] != "bootstrap" and p["peer_id"] != stopped[0]})
 
 
 def test_killed_peer_is_replaced_and_output_is_unchanged(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
