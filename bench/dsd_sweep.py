@@ -63,6 +63,7 @@ from sweep_setup import (
     measure_step_table,
 )
 
+from dsd.node.head.verify import cut_at_stop
 from dsd.node.testnet.workload import HUMANEVAL_STOPS
 
 # Fixed before any run: 10 problems spread evenly over HumanEval's 164 (i·164/10, rounded down).
@@ -73,13 +74,8 @@ DEFAULT_MODES = ("ar", "sd", "dsd")
 
 
 def cut_completion(text: str, stops: Sequence[str] = HUMANEVAL_STOPS) -> str:
-    """The completion up to (not including) the first stop sequence."""
-    cut = len(text)
-    for s in stops:
-        i = text.find(s)
-        if i != -1:
-            cut = min(cut, i)
-    return text[:cut]
+    """The completion up to (not including) the first stop sequence, as HumanEval scores it."""
+    return cut_at_stop(text, stops)[0]
 
 
 @dataclass

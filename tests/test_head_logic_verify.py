@@ -9,7 +9,7 @@ import torch
 
 from conftest import chi2_pvalue
 from dsd.node.head.sampling import SamplingParams, warp
-from dsd.node.head.verify import Verdict, find_stop, stream_safe_length, verify_window
+from dsd.node.head.verify import Verdict, cut_at_stop, find_stop, stream_safe_length, verify_window
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams()
@@ -290,3 +290,11 @@ def test_stream_safe_length_holds_back_possible_stop_prefixes() -> None:
     assert stream_safe_length("ab<end>cd", ["<end>"]) == 2
     assert stream_safe_length("a\n", ["\n\n", "<end>"]) == 1
     assert stream_safe_length("", ["<end>"]) == 0
+
+
+def test_cut_at_stop_keeps_the_text_before_the_earliest_stop() -> None:
+    stops = ("\ndef ", "\nif __name__")
+    text = "    return False\n\n\nif __name__ == '__main__':\n\ndef g"
+    assert cut_at_stop(text, stops) == ("    return False\n\n", True)
+    assert cut_at_stop("    return 1", stops) == ("    return 1", False)
+    assert cut_at_stop("x<end>", ("<end>", "x")) == ("", True)

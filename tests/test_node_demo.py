@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsd.node.testnet.processes import pid_alive
+from dsd.node.testnet.workload import HUMANEVAL_STOPS
 
 pytestmark = pytest.mark.network
 
@@ -30,5 +31,7 @@ def test_demo_runs_end_to_end_and_writes_its_result(tiny_qwen2_root: Path, tmp_p
     assert reports["dsd"]["tokens"] == reports["ar"]["tokens"] and 1 <= len(reports["ar"]["tokens"]) <= 12
     assert result["spec"]["max_new_tokens"] == 12 and "load_after" in result
     assert "identical text" in run.stdout
+    for r in reports.values():  # the completion HumanEval scores: the text before the first stop string
+        assert r["text"].startswith(r["completion"]) and not any(s in r["completion"] for s in HUMANEVAL_STOPS)
     state = json.loads((tmp_path / "tn" / "testnet.json").read_text())
     assert not any(pid_alive(p["pid"]) for p in state["peers"])

@@ -248,3 +248,9 @@ def stream_safe_length(text: str, stop_strings: Sequence[str]) -> int:
                 safe = min(safe, len(text) - k)
                 break
     return safe
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """The text before the first stop string (left out, as OpenAI and HumanEval do) and whether one was found."""
+    at = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
+    return (text, False) if at == -1 else (text[:at], True)

@@ -224,12 +224,6 @@ def context_error(req: CompletionRequest, prompt_tokens: int, max_tokens: int, l
     )
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """The text before the first stop string (OpenAI leaves the stop string out) and whether one was found."""
-    at = min((i for i in (text.find(s) for s in stops) if i != -1), default=-1)
-    return (text, False) if at == -1 else (text[:at], True)
-
-
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

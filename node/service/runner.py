@@ -23,13 +23,14 @@ import trio
 from dsd.discovery.host import P2PNode
 from dsd.discovery.planner import NoRouteError
 from dsd.node.head.streaming import TextStreamer
+from dsd.node.head.verify import cut_at_stop
 from dsd.node.peer.head import GenerationFailed, generate_on
 from dsd.node.route.legs import ReturnLegs
 
 from .admission import Admission, Slot
 from .head import Plan, ServedHead
 from .metrics import ServiceMetrics
-from .openai_wire import CompletionRequest, WireError, cut_at_stop, usage_body
+from .openai_wire import CompletionRequest, WireError, usage_body
 from .swarm import SwarmWatch
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import trio
 from dsd.node.head.engine import GenerationConfig
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import eos_ids, load_head_setup
+from dsd.node.head.verify import cut_at_stop
 from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.generate import generate_once
@@ -117,8 +118,9 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
                     report = await generate_once(node, legs, mode_setup, prompt, cfg, tokenizer=tokenizer)
                     report["text"] = tokenizer.decode(report["tokens"], skip_special_tokens=True)
                     report["wall_s"] = round(time.perf_counter() - started, 3)
+                    report["completion"] = cut_at_stop(report["text"], HUMANEVAL_STOPS)[0]
                     reports[mode] = report
-                    say(report["text"].rstrip())
+                    say(report["completion"].rstrip())
                     say(f"   [{mode}] {report['new_tokens']} tokens in {report['elapsed_s']:.1f} s = "
                         f"{report['tokens_per_s']:.2f} tok/s, {report['rounds']} round trips, "
                         f"mean accepted {report['mean_accepted']:.2f}")
