@@ -21,9 +21,10 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pa
 from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IOException
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -69,8 +70,10 @@ for _name in (
 ):
     logging.getLogger(_name).addFilter(_DropLibp2pNoise())
 
-# Kademlia replication: how many of the closest nodes store each record.
+# Kademlia replication: how many of the closest live nodes store each record (and are asked for it).
 REPLICATION = 20
+# Nodes considered per put or get: the closest live ones may sit behind many that left the swarm.
+MAX_CANDIDATES = 64
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 3.0
 # A Kademlia lookup that has not finished by then falls back to the routing table's closest peers
@@ -117,6 +120,7 @@ class P2PNode:
         *,
         wrap_incoming: bool = True,
         require_bootstrap: bool = True,
+        dht_server: bool = True,
     ) -> None:
         self.key_pair = key_pair
         self.peer_id: str = peer_id_of(key_pair)
@@ -129,6 +133,7 @@ class P2PNode:
         self.wrap_incoming = wrap_incoming
         self.allow_peers = None if allow_peers is None else set(allow_peers)
         self.require_bootstrap = require_bootstrap
+        self.dht_server = dht_server
         self.store = RecordStore(key_for_model=record_key, allow_signers=self._allowed_signers())
         self.host: Any = None
         self.dht: KadDHT | None = None
@@ -170,7 +175,7 @@ class P2PNode:
             listen_addrs=self.listen_addrs,
             connection_config=QUIET_CONNECTIONS,
         )
-        self.dht = KadDHT(self.host, DHTMode.SERVER)
+        self.dht = KadDHT(self.host, DHTMode.SERVER if self.dht_server else DHTMode.CLIENT)
         failure: Exception | None = None
         async with self.host.run(listen_addrs=self.listen_addrs), background_trio_service(self.dht):
             try:
@@ -190,7 +195,8 @@ class P2PNode:
 
     async def _start(self) -> None:
         """Serve the record store and the registered protocols, then join the swarm through the bootstrap peers."""
-        self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
+        if self.dht_server:
+            self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
         for pid, handler in self._handlers.items():
             self._install(pid, handler)
         if self.bootstrap:
@@ -249,7 +255,8 @@ class P2PNode:
                     await self.dht.add_peer(pid, skip_server_mode_check=True)
 
     async def _maintain(self) -> None:
-        """Expire stored records often; rejoin if the routing table emptied; refresh it at once, then now and then.
+        """Expire stored records often; rejoin if the routing table emptied, else drop the nodes that left and
+        refresh it: at once, then every `MAINTENANCE_INTERVAL_S`.
 
         The first refresh runs here, not in `join`, so a start never waits on unresponsive DHT nodes.
         """
@@ -264,9 +271,33 @@ class P2PNode:
                 if self.bootstrap and self.routing_table_size() == 0:
                     await self.join()
                 elif self.routing_table_size():
+                    await self._drop_departed()
                     await self._refresh_table()
             except Exception as exc:
                 log.debug("routing table maintenance failed: %r", exc)
+
+    async def _drop_departed(self) -> None:
+        """Remove from the routing table the nodes with no open connection that cannot be dialled again.
+
+        Nodes that left (a head's process ends after its generation) stay listed otherwise, and this node
+        would hand them to every lookup as the closest to some key."""
+        assert self.dht is not None
+        idle = [p for p in self.dht.routing_table.get_peer_ids() if not self._connections(p)[1]]
+
+        async def check(peer: ID, limiter: trio.CapacityLimiter) -> None:
+            async with limiter:
+                addrs = self.host.get_peerstore().addrs(peer)
+                try:
+                    with trio.fail_after(CONNECT_TIMEOUT_S):
+                        await self.host.connect(PeerInfo(peer, addrs))
+                except Exception as exc:
+                    log.debug("dropping %s from the routing table: unreachable (%r)", peer, exc)
+                    self.dht.routing_table.remove_peer(peer)
+
+        limiter = trio.CapacityLimiter(8)
+        async with trio.open_nursery() as nursery:
+            for peer in idle:
+                nursery.start_soon(check, peer, limiter)
 
     def routing_table_size(self) -> int:
         return 0 if self.dht is None else self.dht.get_routing_table_size()
@@ -368,14 +399,17 @@ class P2PNode:
     # --- record store: client side --------------------------------------------
 
     async def _request(self, peer: ID, request: Message, reply_type: type[Reply]) -> Reply | None:
-        """Send one record-store request; None when the peer fails (then it is forgotten) or refuses."""
+        """Send one record-store request; None when the peer fails (then it leaves the routing table) or refuses.
+
+        Its connections are left alone: a node slow to answer may be carrying a session of ours."""
         try:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 raw = await self._new_stream(peer, RECORDS_PROTOCOL)
                 reply = await ask_records(raw, peer.to_base58(), request)
         except Exception as exc:
             log.debug("record-store request to %s failed: %r", peer, exc)
-            await self._forget(peer)
+            if self.dht is not None:
+                self.dht.routing_table.remove_peer(peer)
             return None
         if not isinstance(reply, reply_type):
             log.debug("record-store peer %s answered %s to %s: %s", peer, reply.TYPE, request.TYPE,
@@ -385,79 +419,116 @@ class P2PNode:
 
     async def forget_peer(self, peer_id: str) -> None:
         """Drop a peer found unresponsive from the routing table and close its connections (best effort)."""
-        await self._forget(ID.from_base58(peer_id))
-
-    async def _forget(self, peer: ID) -> None:
-        """Drop an unresponsive peer from the routing table and close its connections."""
+        peer = ID.from_base58(peer_id)
         if self.dht is not None:
             self.dht.routing_table.remove_peer(peer)
         with trio.move_on_after(CLOSE_TIMEOUT_S):
             await _quiet(self.host.disconnect(peer))
 
-    async def _closest(self, key: bytes) -> list[ID]:
-        """The nodes closest to `key`: a Kademlia lookup, or the routing table's view if it is slow."""
+    def _local_candidates(self, key: bytes) -> list[ID]:
+        """Every node this one knows (routing table and open connections) but itself, closest to `key` first."""
         assert self.dht is not None
-        found: list[ID] | None = None
-        with trio.move_on_after(LOOKUP_TIMEOUT_S):
-            found = await self.dht.peer_routing.find_closest_peers_network(key, REPLICATION)
-        if found is None:
-            log.debug("DHT lookup took over %.0f s; using the routing table", LOOKUP_TIMEOUT_S)
-            found = self.dht.routing_table.find_local_closest_peers(key, REPLICATION)
         me = ID.from_base58(self.peer_id)
-        return [p for p in found if p != me][:REPLICATION]
+        known = [*self.dht.routing_table.find_local_closest_peers(key, MAX_CANDIDATES), *self.host.get_connected_peers()]
+        return [p for p in sort_peer_ids_by_distance(key, list(dict.fromkeys(known))) if p != me]
+
+    async def _lookup(self, key: bytes) -> list[ID]:
+        """The nodes a Kademlia lookup finds closest to `key` (those that left the swarm among them: tables keep
+        them until someone fails to reach them); [] if the lookup is slow."""
+        assert self.dht is not None
+        found: list[ID] = []
+        with trio.move_on_after(LOOKUP_TIMEOUT_S):
+            found = await self.dht.peer_routing.find_closest_peers_network(key, MAX_CANDIDATES)
+        return found
 
     async def put_records(self, key: bytes, blobs: Sequence[bytes]) -> int:
-        """Store signed records under `key` here and on the closest nodes; returns how many nodes took them."""
+        """Store signed records under `key` here and on the `REPLICATION` closest nodes that take them; returns
+        how many nodes did (self included).
+
+        Candidates are tried closest first; one that fails or refuses hands its place to the next, so nodes
+        that left the swarm but are still listed closest to the key never keep a record from the live ones."""
         request = RecordsPut(key, tuple(blobs))
         count = [1 if any([self.store.put(request.key, b) for b in request.records]) else 0]
+        found = await self._lookup(request.key)
+        candidates = iter(sort_peer_ids_by_distance(request.key, list(dict.fromkeys(
+            [*found, *self._local_candidates(request.key)]
+        ))))
+        me = ID.from_base58(self.peer_id)
 
-        async def one(peer: ID) -> None:
-            reply = await self._request(peer, request, RecordsStored)
-            if reply is not None and reply.stored > 0:
-                count[0] += 1
+        async def place() -> None:
+            for peer in candidates:  # shared by every placer: each takes the next candidate
+                if peer == me:
+                    continue
+                reply = await self._request(peer, request, RecordsStored)
+                if reply is not None and reply.stored > 0:
+                    count[0] += 1
+                    return
 
         async with trio.open_nursery() as nursery:
-            for peer in await self._closest(request.key):
-                nursery.start_soon(one, peer)
+            for _ in range(REPLICATION):
+                nursery.start_soon(place)
+        log.debug("records under %s stored on %d node(s)", request.key[:4].hex(), count[0])
         return count[0]
 
     async def get_records(self, key: bytes) -> list[bytes]:
-        """Every signed record under `key` held here or by the closest nodes (unverified, deduplicated).
+        """Every signed record under `key` held here or by the `REPLICATION` closest nodes that answer
+        (unverified, deduplicated).
 
-        The routing table's closest nodes are asked at once and those a Kademlia lookup finds as it
-        finds them; once one answer holds records, the rest get `GET_GRACE_S` or as long as that
-        answer took (whichever is more), so an unresponsive node never holds the answer up.
+        The known nodes closest to the key are asked at once, `REPLICATION` at a time, and those a Kademlia
+        lookup finds join the queue as it finds them (closest first); a node that fails hands its place to the
+        next, so departed nodes listed closest to the key never hide the live ones. Once one answer holds
+        records, the rest get `GET_GRACE_S` or as long as that answer took (whichever is more), so an
+        unresponsive node never holds the answer up.
         """
         assert self.dht is not None
         request = RecordsGet(key)
         blobs: dict[bytes, None] = dict.fromkeys(self.store.get(request.key))
-        me = ID.from_base58(self.peer_id)
-        asked: set[ID] = {me}
+        queue = self._local_candidates(request.key)
+        asked: set[ID] = set()
+        answers = [0]
         t0 = trio.current_time()
         answered = trio.Event()
+        more = trio.Event()  # set when the lookup has added candidates
 
-        async def one(peer: ID) -> None:
-            reply = await self._request(peer, request, RecordsFound)
-            if reply is not None and reply.records:
-                blobs.update(dict.fromkeys(reply.records))
-                answered.set()
-
-        def ask(peers: Sequence[ID], nursery: trio.Nursery) -> None:
-            for peer in peers[:REPLICATION]:
+        def next_peer() -> ID | None:
+            while queue:
+                peer = queue.pop(0)
                 if peer not in asked:
                     asked.add(peer)
-                    nursery.start_soon(one, peer)
+                    return peer
+            return None
 
-        async def lookup(nursery: trio.Nursery) -> None:
-            assert self.dht is not None
-            with trio.move_on_after(LOOKUP_TIMEOUT_S):
-                ask(await self.dht.peer_routing.find_closest_peers_network(request.key, REPLICATION), nursery)
+        async def ask(lookup_done: trio.Event) -> None:
+            nonlocal more
+            while answers[0] < REPLICATION:
+                peer = next_peer()
+                if peer is None:
+                    if lookup_done.is_set():
+                        return
+                    await more.wait()
+                    continue
+                reply = await self._request(peer, request, RecordsFound)
+                if reply is None:
+                    continue
+                answers[0] += 1
+                if reply.records:
+                    blobs.update(dict.fromkeys(reply.records))
+                    answered.set()
+
+        async def lookup(done: trio.Event) -> None:
+            nonlocal more
+            found = await self._lookup(request.key)
+            queue[:] = sort_peer_ids_by_distance(request.key, list(dict.fromkeys([*queue, *found])))
+            done.set()
+            more.set()
+            more = trio.Event()
 
         async def everyone(outer: trio.CancelScope) -> None:
-            assert self.dht is not None
+            done = trio.Event()
             async with trio.open_nursery() as nursery:
-                ask(self.dht.routing_table.find_local_closest_peers(request.key, REPLICATION), nursery)
-                nursery.start_soon(lookup, nursery)
+                nursery.start_soon(lookup, done)
+                for _ in range(REPLICATION):
+                    nursery.start_soon(ask, done)
             outer.cancel()
 
         async def cutoff(outer: trio.CancelScope) -> None:
@@ -468,6 +539,8 @@ class P2PNode:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(everyone, nursery.cancel_scope)
             nursery.start_soon(cutoff, nursery.cancel_scope)
+        log.debug("records under %s: %d from %d node(s) in %.2f s", request.key[:4].hex(), len(blobs), answers[0],
+                  trio.current_time() - t0)
         return list(blobs)
 
 

@@ -174,15 +174,22 @@ async def survey(
 
 async def wait_for_route(
     node: P2PNode, model: str, num_layers: int, timeout_s: float, poll_s: float = 1.0,
-    *, blocks: tuple[int, int] | None = None,
+    *, blocks: tuple[int, int] | None = None, blacklist: Iterable[str] = (),
 ) -> SwarmView:
-    """Survey until a complete route (over `blocks`, default every layer) exists; raises the last NoRouteError on timeout."""
+    """Survey until a complete route (over `blocks`, default every layer) exists; raises the last NoRouteError on
+    timeout. Each survey that finds blocks missing is logged with what is waited for (records can lag: a
+    peer that just started, or one whose record a node that left still held)."""
     view: SwarmView | None = None
+    t0 = trio.current_time()
     with trio.move_on_after(timeout_s):
         while True:
-            view = await survey(node, model, num_layers, blocks=blocks)
+            view = await survey(node, model, num_layers, blocks=blocks, blacklist=blacklist)
             if view.plan is not None:
+                if trio.current_time() - t0 > poll_s:
+                    log.info("a complete route for %s after %.1f s of waiting", model, trio.current_time() - t0)
                 return view
+            log.info("%s; waiting up to %.0f s more for the swarm's records", view.error,
+                     max(0.0, timeout_s - (trio.current_time() - t0)))
             await trio.sleep(poll_s)
     if view is not None and view.error is not None:
         raise view.error

@@ -336,3 +336,72 @@ def test_private_swarm_store_keeps_only_allowed_signers() -> None:
     assert not store.put(record_key(MODEL), theirs)
     assert store.put(record_key(MODEL), ours)
     assert store.get(record_key(MODEL)) == [ours]
+
+
+def departed_peers(key: bytes, count: int, pool: int = 3000):
+    """`count` peers that have left the swarm, as routing tables still list them: ids the closest of `pool` fresh
+    ones to the DHT key `key` (so, alive, they would store and serve its records first) at a loopback port
+    nothing listens on."""
+    import hashlib
+
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+    from multiaddr import Multiaddr
+
+    target = int.from_bytes(hashlib.sha256(key).digest(), "big")
+    ids = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(pool)]
+    ids.sort(key=lambda i: target ^ int.from_bytes(hashlib.sha256(i.to_bytes()).digest(), "big"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [PeerInfo(i, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")]) for i in ids[:count]]
+
+
+def test_records_survive_departed_nodes_closest_to_their_key() -> None:
+    """Nodes that joined and left (the heads of earlier generations: `generate` is a process of its own) stay in
+    routing tables. When the departed are the nodes closest to a model's key, records must still be stored
+    on, and read from, the closest *live* nodes: before, publications went to the departed only, and a head
+    found no peer of a span (issue 43: `no live peer serves blocks 6-7`)."""
+    from dsd.discovery.records import record_key
+
+    async def main() -> None:
+        with trio.fail_after(40):
+            async with P2PNode(create_new_key_pair()) as boot, trio.open_nursery() as nursery:
+                boot_addr = boot.addrs[0]
+                peers = [await start_span(nursery, boot_addr, s, e, ttl=3) for s, e in [(0, 4), (4, 8)]]
+                gone = departed_peers(record_key(MODEL), 24)
+                for node in (boot, peers[0][0], peers[1][0]):
+                    for info in gone:
+                        node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+                        await node.dht.routing_table.add_peer(info)
+                await trio.sleep(7)  # every record stored before has expired; two refreshes went out since
+                async with P2PNode(create_new_key_pair(), bootstrap=[boot_addr]) as head:
+                    found = spans(await fetch_records(head, MODEL, 8))
+                assert found == {peers[0][0].peer_id: (0, 4), peers[1][0].peer_id: (4, 8)}
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_departed_nodes_leave_the_routing_table_and_live_ones_stay() -> None:
+    """A node's maintenance drops the listed nodes it cannot dial again (they would be handed to every lookup),
+    and keeps a live node even when no connection to it is open."""
+    from libp2p.peer.id import ID
+
+    from dsd.discovery.records import record_key
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with P2PNode(create_new_key_pair()) as boot, P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as peer:
+                gone = departed_peers(record_key(MODEL), 5)
+                for info in gone:
+                    boot.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+                    await boot.dht.routing_table.add_peer(info)
+                await boot.dht.add_peer(ID.from_base58(peer.peer_id), skip_server_mode_check=True)
+                await boot.host.disconnect(ID.from_base58(peer.peer_id))
+                listed = set(boot.dht.routing_table.get_peer_ids())
+                assert {i.peer_id for i in gone} <= listed and ID.from_base58(peer.peer_id) in listed
+                await boot._drop_departed()
+                assert set(boot.dht.routing_table.get_peer_ids()) == {ID.from_base58(peer.peer_id)}
+
+    trio.run(main)

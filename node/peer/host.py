@@ -47,8 +47,10 @@ async def open_peer(
     listen: list[str] | None = None,
     seed: int | None = None,
     allow_peers: set[str] | None = None,
+    dht_server: bool = True,
 ) -> AsyncIterator[Peer]:
     """Start the shaper and the libp2p node, install ping and the infer dispatcher; stop both on exit.
+    `dht_server` False: a DHT client, which stores and serves no records (a head: it comes and goes).
 
     A failure to start (no bootstrap peer reachable, say) and an error of the `async with` block come
     out as themselves, not wrapped in an exception group, so callers catch them by type."""
@@ -58,7 +60,8 @@ async def open_peer(
     async with owned_nursery() as nursery:
         await nursery.start(shaper.run)
         async with P2PNode(
-            key_pair, list(listen or DEFAULT_LISTEN), bootstrap, stream_wrapper=shaper.wrap, allow_peers=allow_peers
+            key_pair, list(listen or DEFAULT_LISTEN), bootstrap, stream_wrapper=shaper.wrap, allow_peers=allow_peers,
+            dht_server=dht_server,
         ) as node:
             install_ping_handler(node)
             node.set_handler(INFER_PROTOCOL, dispatcher)
@@ -75,7 +78,10 @@ async def head_node(
     listen: list[str] | None = None,
     seed: int | None = None,
 ) -> AsyncIterator[tuple[P2PNode, ReturnLegs]]:
-    """Join the swarm as a head (an ephemeral identity unless one is given); yields the node and its return legs."""
+    """Join the swarm as a head (an ephemeral identity unless one is given); yields the node and its return legs.
+
+    A head is a DHT client: it reads records but holds none, so the records of the swarm never sit on a node
+    that leaves when its generation ends, and the swarm's routing tables do not fill with departed heads."""
     key_pair = load_or_create_identity(identity) if identity else create_new_key_pair()
-    async with open_peer(key_pair, bootstrap, link, listen=listen, seed=seed) as peer:
+    async with open_peer(key_pair, bootstrap, link, listen=listen, seed=seed, dht_server=False) as peer:
         yield peer.node, peer.legs

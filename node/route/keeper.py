@@ -30,8 +30,8 @@ from typing import Any
 import trio
 
 from dsd.discovery.host import P2PNode
-from dsd.discovery.planner import RoutePlan
-from dsd.discovery.survey import survey
+from dsd.discovery.planner import NoRouteError, RoutePlan
+from dsd.discovery.survey import survey, wait_for_route
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes
 from dsd.protocol import Hop, WireFormat
@@ -44,6 +44,8 @@ from .session import RouteSession
 log = logging.getLogger(__name__)
 
 REOPEN_PAUSE_S = 0.5  # before the one retry of a route that failed to open
+# A head that finds blocks missing before its first route waits this long for the swarm's records to show them.
+FIRST_ROUTE_WAIT_S = 10.0
 
 
 def plan_prior(plan: RoutePlan) -> RoundPrior:
@@ -140,9 +142,18 @@ class RouteKeeper:
         self._rtts: dict[str, float] = {}  # RTTs the last surveys measured
         self._planned: tuple[list[Hop], RoundPrior] | None = None  # a plan made while judging a slow route
 
-    async def _plan(self, avoid: frozenset[str] = frozenset()) -> tuple[list[Hop], RoundPrior]:
-        view = await survey(self.node, self.model, self.num_layers, blacklist=self.blacklist.active() | avoid,
-                            blocks=self.blocks)
+    async def _plan(self, avoid: frozenset[str] = frozenset(), wait_s: float = 0.0) -> tuple[list[Hop], RoundPrior]:
+        """A route from a fresh survey, without the blacklisted peers and `avoid`; when blocks are missing, survey
+        again for up to `wait_s` (a NoRouteError after that, or at once with 0)."""
+        blacklist = self.blacklist.active() | avoid
+        if wait_s > 0:
+            try:
+                view = await wait_for_route(self.node, self.model, self.num_layers, wait_s, blocks=self.blocks,
+                                            blacklist=blacklist)
+            except TimeoutError as exc:
+                raise NoRouteError(list(range(*(self.blocks or (0, self.num_layers)))), self.num_layers) from exc
+        else:
+            view = await survey(self.node, self.model, self.num_layers, blacklist=blacklist, blocks=self.blocks)
         self._rtts.update({pid: rtt for pid, rtt in view.rtts.items() if rtt is not None})
         if view.plan is None:
             assert view.error is not None
@@ -313,7 +324,7 @@ async def open_route_keeper(
     """
     async with owned_nursery() as nursery:
         keeper = RouteKeeper(node, legs, nursery, **options)
-        await keeper.open_first(*((hops, None) if hops else await keeper._plan(avoid)))
+        await keeper.open_first(*((hops, None) if hops else await keeper._plan(avoid, wait_s=FIRST_ROUTE_WAIT_S)))
         try:
             yield keeper
         finally:
