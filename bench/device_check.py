@@ -20,6 +20,7 @@ Runs in a few minutes on one GPU (1.5B target, 64 new tokens per mode).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -90,8 +91,9 @@ def exactness(target: Path, draft: Path | None, place: Any, prompt: list[int], p
     import torch
     import trio
 
+    from dsd.node.head.config import GenerationConfig
     from dsd.node.head.drafters import ModelDrafter
-    from dsd.node.head.engine import GenerationConfig, HeadEngine
+    from dsd.node.head.generation import generate
     from dsd.node.head.local import LocalBackend
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.testnet.processes import even_spans
@@ -125,7 +127,7 @@ def exactness(target: Path, draft: Path | None, place: Any, prompt: list[int], p
         backend = LocalBackend(head, spans)
         drafter = None if mode == "ar" else ModelDrafter(drafter_model, SamplingParams())
         cfg = GenerationConfig(mode=mode, max_new_tokens=n, tau_max=0.0)
-        tokens = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt).tokens
+        tokens = trio.run(functools.partial(generate, backend, drafter, cfg, prompt)).tokens
         same = next((i for i, (a, b) in enumerate(zip(tokens, reference_tokens, strict=False)) if a != b), len(tokens))
         out["greedy"][mode] = {"tokens_equal_to_transformers": same, "of": n}
     return out
@@ -138,7 +140,7 @@ def speed(target: Path, draft: Path | None, place: Any, prompt: list[int], token
 
     import trio
 
-    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.config import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import load_head_setup
     from dsd.node.peer.host import head_node
@@ -167,7 +169,8 @@ def speed(target: Path, draft: Path | None, place: Any, prompt: list[int], token
                     cfg = GenerationConfig(mode=mode, max_new_tokens=args.max_new_tokens, params=params,
                                            stop_strings=HUMANEVAL_STOPS if tokenizer is not None else ())
                     mode_setup = dataclasses.replace(setup, drafter=None) if mode == "ar" else setup
-                    reports[mode] = await run_generation(node, legs, mode_setup, prompt, cfg, hops, tokenizer)
+                    report = await run_generation(node, legs, mode_setup, prompt, cfg, hops, tokenizer)
+                    reports[mode] = report.as_dict()
 
         trio.run(main)
     ar, dsd = reports["ar"], reports["dsd"]

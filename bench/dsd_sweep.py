@@ -187,7 +187,7 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup:
 async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload: Workload, problem: dict[str, Any],
                      rep: int, opts: SweepOptions, eos: frozenset[int]) -> list[dict[str, Any]]:
     """Every mode in turn on one prompt over the same route; a failure is recorded with its mode and ends the prompt."""
-    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.config import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
 
     real = opts.models == "real"  # random tiny models write no code: no stop strings, no pass@1
@@ -205,7 +205,8 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
             mode_setup.drafter.reset()  # no mode inherits another's draft cache
         run: dict[str, Any] = {"task_id": problem["task_id"], "rep": rep, "mode": mode, "prompt_tokens": len(prompt)}
         try:
-            run.update(await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer))
+            report = await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
+            run.update(report.as_dict())
             run["mode"] = mode  # the benchmark's mode (sd-chain), not the engine's (sd)
         except Exception as exc:  # e.g. a peer failed; recorded, not fatal to the sweep
             run["error"] = f"{type(exc).__name__}: {exc}"

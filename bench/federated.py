@@ -154,11 +154,11 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
     """Two worker processes and a bootstrap on loopback; one federated generation; bytes on the wire."""
     import trio
 
-    from dsd.node.federated.generate import generate_federated
-    from dsd.node.federated.pool import find_workers
+    from dsd.node.head.config import GenerationConfig
     from dsd.node.head.drafters import ModelDrafter
-    from dsd.node.head.engine import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
+    from dsd.node.head.setup import HeadSetup
+    from dsd.node.peer.generation import FederatedTarget, generate_over_swarm
     from dsd.node.peer.host import head_node
     from dsd.node.testnet.swarm import SwarmSpec
 
@@ -175,11 +175,11 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
         vocab = int(dstore.manifest.vocab_size)
 
         async def main() -> dict:
-            async with head_node([state.bootstrap]) as (node, _):
-                workers = await find_workers(node, vocab)
+            async with head_node([state.bootstrap]) as (node, legs):
                 cfg = GenerationConfig(mode="dsd", max_new_tokens=new_tokens, params=params, gamma=4, seed=0)
-                return await generate_federated(node, workers, drafter, prompt, cfg, vocab_size=vocab, top_k=k,
-                                                window_timeout_s=timeout_s)
+                setup = HeadSetup(None, "", 0, drafter, vocab)
+                target = FederatedTarget(top_k=k, window_timeout_s=timeout_s)
+                return (await generate_over_swarm(node, legs, None, setup, prompt, cfg, target=target)).as_dict()
 
         report = trio.run(main)
         return {key: report[key] for key in ("new_tokens", "elapsed_s", "acceptance_rate", "rounds", "bytes_received",

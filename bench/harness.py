@@ -173,17 +173,17 @@ def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *,
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:
     """Plan a route once (waiting until the head sees a complete one) and return its hops; every run reuses them."""
     from dsd.discovery.survey import wait_for_route
-    from dsd.node.route.generate import plan_hops
 
     view = await wait_for_route(node, model_id, num_layers, timeout_s)
     assert view.plan is not None
-    return plan_hops(view.plan)
+    return list(view.plan.protocol_hops())
 
 
 async def run_generation(node: Any, legs: Any, setup: Any, prompt: Sequence[int], cfg: Any, hops: list[Any],
-                         tokenizer: Any = None) -> dict[str, Any]:
-    """One generation over `hops` (route.generate.generate_once); the report carries the engine's exact counters."""
-    from dsd.node.route.generate import generate_once
+                         tokenizer: Any = None) -> Any:
+    """One generation over `hops` (`generate_over_swarm`): a `GenerationReport` with the engine's exact counters.
+    A `GenerationFailed` comes out as itself."""
+    from dsd.node.peer.generation import RouteTarget, generate_over_swarm, swarm_watch
 
-    return await generate_once(node, legs, setup, prompt, cfg, hops=hops,
-                               tokenizer=tokenizer if cfg.stop_strings else None)
+    return await generate_over_swarm(node, legs, swarm_watch(node, setup), setup, prompt, cfg,
+                                     target=RouteTarget(hops=hops), tokenizer=tokenizer if cfg.stop_strings else None)

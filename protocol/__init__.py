@@ -25,8 +25,8 @@ from .messages import (
     Result,
     Truncate,
 )
+from .peer_session import SessionState
 from .records import RECORDS_LIMITS, RecordsFound, RecordsGet, RecordsPut, RecordsStored
-from .session import SessionState
 from .shard import FileChunk, FileEnd, GetFile, GetManifest, ManifestData
 from .tensors import CODECS, WireFormat, WireTensor, codec_for_dtype, decode_tensor, encode_tensor
 from .topk import aggregate, decode_ids, encode_ids, reconstruct, topk_from_probs

@@ -22,7 +22,7 @@ class ProtocolError(Exception):
 
 
 class SessionRuleError(ProtocolError):
-    """A well-formed message that breaks a session rule (see `session.SessionState`); it ends the session.
+    """A well-formed message that breaks a session rule (see `peer_session.SessionState`); it ends the session.
 
     `.code` is the `Error` code to answer with (bad_request, limit or unknown_session), `.field`
     the message field at fault and `.message` the human text the peer sends.

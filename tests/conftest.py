@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsd.node.head.backend import Capabilities
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, warp
 from dsd.node.route.backend import RouteBackend
@@ -381,6 +382,23 @@ class DaemonSwarm:
         stop_processes(list(reversed(self.procs)))
 
 
+def swarm_of(node, model: str, num_layers: int, blocks: tuple[int, int] | None = None):
+    """The test head's view of the swarm (one per head, as in a head process): what its routes plan failovers on."""
+    from dsd.discovery.swarm import SwarmWatch
+
+    return SwarmWatch(node, model, num_layers, blocks=blocks)
+
+
+async def generate_on(node, legs, setup, prompt: list[int], cfg, *, hops=None, local_span=None, tokenizer=None):
+    """One generation from a test head already in the swarm over a route (`hops`, else planned), the head serving
+    `local_span` itself: a `GenerationReport` (`GenerationFailed` comes out as itself)."""
+    from dsd.node.peer.generation import RouteTarget, generate_over_swarm, swarm_watch
+
+    target = RouteTarget(hops=hops, local=local_span)
+    return await generate_over_swarm(node, legs, swarm_watch(node, setup, target.local_blocks), setup, prompt, cfg,
+                                     target=target, tokenizer=tokenizer)
+
+
 # --- raw frames and streams, as a hostile client sends them ---------------------------------------
 
 
@@ -558,22 +576,25 @@ def average_greedy(models, prompt: list[int], n: int, weights: tuple[float, floa
 
 def run_federated(net: dict, prompt: list[int], cfg, **kw) -> dict:
     """One federated generation from a fresh head over both workers of `net` (`federated_net`) with a random
-    2-layer draft; `kw` goes to `generate_federated` (`server_vocab` and `workers` override the vocabulary
-    and the workers found). A FederatedError comes out as itself."""
+    2-layer draft, as `--json` reports it; `kw` goes to `FederatedBackend` (`server_vocab` and `workers`
+    override the vocabulary and the workers found, `on_tokens` sees the tokens). A FederatedError or GenerationFailed comes out as itself."""
     import trio
 
-    from dsd.node.federated.generate import generate_federated
+    from dsd.node.federated.backend import open_federated_backend
     from dsd.node.federated.pool import FederatedError, find_workers
     from dsd.node.head.drafters import ModelDrafter
+    from dsd.node.head.generation import generate
+    from dsd.node.head.report import GenerationFailed
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.peer.host import head_node
 
-    failed: list[FederatedError] = []
+    failed: list[Exception] = []
 
     async def main():
         async with head_node([net["bootstrap"]]) as (node, _):
             vocab = kw.pop("server_vocab", TINY_VOCAB)
             workers = kw.pop("workers", None)
+            on_tokens = kw.pop("on_tokens", None)
             with trio.move_on_after(20):  # a worker stopped by an earlier test re-announces within TTL/3
                 while workers is None:
                     found = {w.peer_id: w for w in await find_workers(node, TINY_VOCAB)}
@@ -584,8 +605,11 @@ def run_federated(net: dict, prompt: list[int], cfg, **kw) -> dict:
             assert workers is not None, "both workers must be announced"
             drafter = ModelDrafter(make_tiny_model("qwen2", seed=21, layers=2), SamplingParams())
             try:
-                return await generate_federated(node, workers, drafter, prompt, cfg, vocab_size=vocab, **kw)
-            except FederatedError as exc:  # raised outside the node's nursery, not as an exception group
+                async with open_federated_backend(node, workers, vocab_size=vocab, params=cfg.params,
+                                                  max_len=cfg.session_len(len(prompt)), deadline=cfg.deadline,
+                                                  **kw) as backend:
+                    return (await generate(backend, drafter, cfg, prompt, on_tokens=on_tokens)).as_dict()
+            except (FederatedError, GenerationFailed) as exc:  # raised outside the node's nursery, not as a group
                 failed.append(exc)
 
     report = trio.run(main)
@@ -597,7 +621,7 @@ def run_federated(net: dict, prompt: list[int], cfg, **kw) -> dict:
 class ProbsBackend(LocalBackend):
     """The whole model in-process, answering with warped probabilities as a federated worker would."""
 
-    returns_probs = True
+    capabilities = Capabilities(trees=True, pipeline=True, probs=True)
 
     def __init__(self, head, spans, temperature: float) -> None:
         super().__init__(head, spans)

@@ -24,8 +24,9 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import cli, cli_testnet, noisy_copy
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter, check_quant_device
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.peer.config import DaemonConfig
@@ -262,7 +263,7 @@ def test_half_precision_in_process_matches_transformers(family: str, tiny_store,
                                                                       store.load_span(2, 5, dtype=dtype)])
                 drafter = None if mode == "ar" else ModelDrafter(draft, SamplingParams())
                 cfg = GenerationConfig(mode=mode, max_new_tokens=n, tau_max=0.0, tree_nodes=tree_nodes)
-                got = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt).tokens
+                got = trio.run(HeadEngine(backend, drafter, cfg).run, prompt).tokens
                 what = f"{family} {name} {mode} tree_nodes={tree_nodes} prompt {prompt}"
                 if mode == "ar":
                     assert got == want, what

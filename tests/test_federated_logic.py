@@ -15,8 +15,9 @@ from conftest import ProbsBackend, make_tiny_model
 from dsd.node.federated.backend import FederatedBackend
 from dsd.node.federated.pool import FederatedError, WorkerInfo
 from dsd.node.federated.worker import window_topk
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams, warp
 from dsd.protocol import DraftWindow, FrameDecoder, ProtocolError, aggregate, encode, reconstruct
 from dsd.shard_store import Store
@@ -151,7 +152,7 @@ def test_engine_verifies_greedy_against_probabilities(whole, tiny_qwen2_dir) -> 
         want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 0.0)
     drafter = ModelDrafter(make_tiny_model("qwen2", seed=9, layers=2), SamplingParams())
-    result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16)).generate, prompt)
+    result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16)).run, prompt)
     assert result.tokens == want[0, len(prompt):].tolist()
     assert result.drafted > result.accepted  # the random drafter was corrected
 
@@ -165,7 +166,7 @@ def test_engine_with_self_draft_accepts_everything_when_sampling_from_probabilit
     backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 0.8)
     drafter = ModelDrafter(full, params, torch.Generator().manual_seed(1))
     cfg = GenerationConfig(mode="sd", max_new_tokens=24, params=params, gamma=4, seed=2)
-    result = trio.run(HeadEngine(backend, drafter, cfg).generate, [1, 17, 42, 99])
+    result = trio.run(HeadEngine(backend, drafter, cfg).run, [1, 17, 42, 99])
     assert len(result.tokens) == 24
     assert result.drafted > 0 and result.acceptance_rate > 0.97
 
@@ -185,5 +186,5 @@ def test_top_p_applies_to_the_aggregate_after_the_workers_temperature(whole) -> 
     for seed in range(40):
         backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 1.5)
         cfg = GenerationConfig(mode="ar", max_new_tokens=1, params=params, seed=seed)
-        seen.add(trio.run(HeadEngine(backend, None, cfg).generate, prompt).tokens[0])
+        seen.add(trio.run(HeadEngine(backend, None, cfg).run, prompt).tokens[0])
     assert seen <= nucleus, sorted(seen - nucleus)

@@ -15,7 +15,7 @@ import trio
 
 from conftest import TINY_VOCAB, average_greedy, cli, run_federated
 from dsd.node.federated.pool import FederatedError, WorkerInfo, list_workers
-from dsd.node.head.engine import GenerationConfig
+from dsd.node.head.config import GenerationConfig
 from dsd.node.peer.host import head_node
 
 pytestmark = pytest.mark.network

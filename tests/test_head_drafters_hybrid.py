@@ -11,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model
 from dsd.node.head.adaptive import AdaptiveVerifier
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import load_head_setup, parse_draft
@@ -112,7 +113,7 @@ def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
 
 def _run(store: Store, drafter, prompt: list[int], cfg: GenerationConfig):
     backend = LocalBackend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
-    return trio.run(HeadEngine(backend, drafter, cfg).generate, prompt)
+    return trio.run(HeadEngine(backend, drafter, cfg).run, prompt)
 
 
 @pytest.mark.parametrize("mode", ["sd", "dsd"])

@@ -10,8 +10,9 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import hf_greedy, make_tiny_model, noisy_copy
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.window import WindowController
@@ -46,7 +47,7 @@ def test_greedy_modes_equal_hf_generate(tiny_qwen2_root, mode: str, drafter_kind
         backend = LocalBackend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
         drafter = None if mode == "ar" else _drafter(drafter_kind, store)
         cfg = GenerationConfig(mode=mode, max_new_tokens=n, tau_max=0.0, tree_nodes=0)
-        result = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt)
+        result = trio.run(HeadEngine(backend, drafter, cfg).run, prompt)
         assert result.tokens == expected, (mode, drafter_kind, prompt)
         # The target's KV holds every committed token but the last, and no rejected or surplus draft.
         assert backend.length == len(prompt) + n - 1, (mode, drafter_kind, prompt, backend.length)
@@ -83,7 +84,7 @@ def test_greedy_trees_equal_hf_generate(tiny_qwen2_root, mode: str, drafter_kind
         expected = _reference(tiny_qwen2_root / "hf", prompt, n)
         backend = RecordingBackend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
         cfg = GenerationConfig(mode=mode, max_new_tokens=n, tau_max=0.0, tree_nodes=tree_nodes)
-        result = trio.run(HeadEngine(backend, _drafter(drafter_kind, store), cfg).generate, prompt)
+        result = trio.run(HeadEngine(backend, _drafter(drafter_kind, store), cfg).run, prompt)
         assert result.tokens == expected, (mode, drafter_kind, tree_nodes, prompt)
         trees += result.tree_windows
         assert result.tree_windows == sum(1 for _, _, parents, _ in backend.sent if parents is not None)
@@ -112,7 +113,7 @@ def test_auto_trees_happen_and_zero_gives_chains(tiny_qwen2_root) -> None:
     for tree_nodes in (None, 0):
         backend = RecordingBackend(store.load_head(), [store.load_span(0, 5)])
         cfg = GenerationConfig(mode="sd", max_new_tokens=48, tree_nodes=tree_nodes)
-        out[tree_nodes] = trio.run(HeadEngine(backend, _drafter("noisy", store), cfg).generate, prompt)
+        out[tree_nodes] = trio.run(HeadEngine(backend, _drafter("noisy", store), cfg).run, prompt)
         if tree_nodes == 0:
             assert all(parents is None and keep is None for _, _, parents, keep in backend.sent)
     auto, chain = out[None].as_dict(), out[0].as_dict()
@@ -136,7 +137,7 @@ def test_random_draft_is_mostly_rejected_but_exact(tiny_qwen2_root) -> None:
     prompt = PROMPTS[0]
     backend = LocalBackend(store.load_head(), [store.load_span(0, 5)])
     cfg = GenerationConfig(mode="dsd", max_new_tokens=20, gamma=4)
-    result = trio.run(HeadEngine(backend, _drafter("random", store), cfg).generate, prompt)
+    result = trio.run(HeadEngine(backend, _drafter("random", store), cfg).run, prompt)
     assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 20)
     assert result.acceptance_rate < 0.5
 
@@ -149,7 +150,7 @@ def test_eos_ends_generation_where_the_target_would(tiny_qwen2_root) -> None:
     expected = free[: free.index(eos) + 1]
     backend = LocalBackend(store.load_head(), [store.load_span(0, 5)])
     cfg = GenerationConfig(mode="dsd", max_new_tokens=16, eos_ids=frozenset({eos}), gamma=6)
-    result = trio.run(HeadEngine(backend, _drafter("self", store), cfg).generate, prompt)
+    result = trio.run(HeadEngine(backend, _drafter("self", store), cfg).run, prompt)
     assert result.tokens == expected
 
 

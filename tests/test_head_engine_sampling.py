@@ -28,8 +28,9 @@ from conftest import (
     sampling_p_values,
 )
 from dsd.node.head import engine as engine_module
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, sample, warp
 from dsd.node.head.tree_verify import TreeVerdict
@@ -92,7 +93,7 @@ def generate_many(sampling_models, mode: str, runs: int, tree_nodes: int = 0) ->
             # Three tokens: the prompt's result gives the first; the second window carries one draft
             # (none would be drafted for a last token), so the second token is a verified one.
             cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=tree_nodes)
-            result = await HeadEngine(backend, drafter, cfg).generate(SAMPLING_PROMPT)
+            result = await HeadEngine(backend, drafter, cfg).run(SAMPLING_PROMPT)
             pairs.append((result.tokens[0], result.tokens[1]))
             if result.ready_rounds or result.tree_windows:
                 reused.append(pairs[-1])

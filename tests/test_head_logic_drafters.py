@@ -9,13 +9,14 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import (
     ModelDrafter,
     NgramDrafter,
     check_vocab_compatible,
     quantize_draft_model,
 )
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams, softmax, warp
 from dsd.node.head.setup import load_head_setup
@@ -262,7 +263,7 @@ def test_int8_draft_keeps_the_targets_greedy_output(tiny_qwen2_root, mode: str) 
     for prompt in ([1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12]):
         drafter.reset()
         backend = LocalBackend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)])
-        result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode=mode, max_new_tokens=n)).generate, prompt)
+        result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode=mode, max_new_tokens=n)).run, prompt)
         assert result.tokens == _hf_reference(tiny_qwen2_root / "hf", prompt, n), (mode, prompt)
         assert result.drafted > 0 and result.accepted > 0
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 import trio
 
+from dsd.node.head.backend import TargetBackend
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafting import Arrival, Drafting
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.outcomes import Branch, bonus_alternatives, pick, plan_branches
 from dsd.node.head.report import TimeBreakdown
 
@@ -34,7 +36,7 @@ def q_row(top: int, second: int | None = None) -> torch.Tensor:
     return row / row.sum()
 
 
-class ScriptedTarget:
+class ScriptedTarget(TargetBackend):
     """Returns logits whose argmax after a context of length L is TRUTH[L]; the result lands after 50 ms."""
 
     def __init__(self) -> None:
@@ -87,7 +89,7 @@ class ScriptedDrafter:
 def run(wrong_at: int, second: int | None) -> tuple[list[int], ScriptedDrafter, dict]:
     drafter = ScriptedDrafter(wrong_at, second)
     cfg = GenerationConfig(mode="dsd", max_new_tokens=12, gamma=4, tree_nodes=0)
-    result = trio.run(HeadEngine(ScriptedTarget(), drafter, cfg).generate, PROMPT)
+    result = trio.run(HeadEngine(ScriptedTarget(), drafter, cfg).run, PROMPT)
     return result.tokens, drafter, result.as_dict()
 
 

@@ -18,8 +18,9 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from conftest import hf_greedy, make_tiny_model, noisy_copy
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.shard_store import Store
@@ -59,7 +60,7 @@ def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
 def _run(store: Store, drafter, prompt: list[int], n: int, trip_s: float = TRIP_S, **cfg_kw):
     backend = SlowLocal(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=trip_s)
     cfg = GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0, **cfg_kw)
-    result = trio.run(HeadEngine(backend, drafter, cfg).generate, prompt)
+    result = trio.run(HeadEngine(backend, drafter, cfg).run, prompt)
     return result, backend
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import DaemonSwarm, KillOnTree, cli, hf_greedy
+from conftest import DaemonSwarm, KillOnTree, cli, generate_on, hf_greedy, swarm_of
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
-from dsd.node.route.generate import generate_once
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -43,8 +43,8 @@ def swarm(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield net, peers
 
 
-def local_hops(report: dict) -> list[tuple[int, int]]:
-    return [(h["start"], h["end"]) for h in report["hops"] if h["local"]]
+def local_hops(report) -> list[tuple[int, int]]:
+    return [(h.start, h.end) for h in report.transport.hops if h.local]
 
 
 def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwen2_root: Path, tiny_qwen2_hf,
@@ -62,13 +62,13 @@ def test_greedy_with_the_head_serving_the_first_layers_equals_hf(swarm, tiny_qwe
                     for tree_nodes in (None, 12, 0):
                         setup = HeadSetup(head, MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
                         cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
-                        report = await generate_once(node, legs, setup, prompt, cfg, local_span=store.load_span(0, 2))
-                        assert report["tokens"] == expected, (mode, tree_nodes, prompt)
-                        assert report["route"] == [peers["mid"]["peer_id"], peers["last"]["peer_id"]]
-                        assert [(h["start"], h["end"], h["local"]) for h in report["hops"]] == [
+                        report = await generate_on(node, legs, setup, prompt, cfg, local_span=store.load_span(0, 2))
+                        assert report.tokens == expected, (mode, tree_nodes, prompt)
+                        assert report.transport.route == [peers["mid"]["peer_id"], peers["last"]["peer_id"]]
+                        assert [(h.start, h.end, h.local) for h in report.transport.hops] == [
                             (0, 2, True), (2, 4, False), (4, 5, False)]
-                        assert report["hops"][0]["peer_id"] == node.peer_id
-                        trees[mode, tree_nodes] = trees.get((mode, tree_nodes), 0) + report["tree_windows"]
+                        assert report.transport.hops[0].peer_id == node.peer_id
+                        trees[mode, tree_nodes] = trees.get((mode, tree_nodes), 0) + report.result.tree_windows
 
     trio.run(main)
     print(f"\ntree windows per (mode, budget): {trees}")
@@ -86,7 +86,7 @@ def test_cli_generate_blocks_reports_the_local_hop_and_refuses_bad_spans(swarm, 
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["tokens"] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW)
-    assert len(report["route"]) == 2 and local_hops(report) == [(0, 2)]  # a 3-hop ring with one hop on the head
+    assert len(report["route"]) == 2 and [(h["start"], h["end"]) for h in report["hops"] if h["local"]] == [(0, 2)]  # a 3-hop ring with one hop on the head
     assert report["tree_windows"] > 0
     out = cli(*common, "--blocks", "1:3", timeout=60)  # a span in the middle of the ring (other spans: test_discovery_planner)
     assert out.returncode == 2 and "the head serves the first layers" in out.stderr, out.stderr[-1000:]
@@ -106,12 +106,12 @@ def test_greedy_with_the_head_serving_the_last_layers_equals_hf(swarm, tiny_qwen
             for mode, tree_nodes in (("sd", 0), ("dsd", 12), ("sd", None)):
                 setup = HeadSetup(store.load_head(), MODEL, LAYERS, ModelDrafter(noisy_draft, SamplingParams()))
                 cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
-                report = await generate_once(node, legs, setup, prompt, cfg, local_span=store.load_span(4, 5))
-                assert report["tokens"] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW), (mode, tree_nodes)
-                assert report["route"] == [first["peer_id"], peers["mid"]["peer_id"]]
-                assert local_hops(report) == [(4, 5)] and report["hops"][-1]["local"]
+                report = await generate_on(node, legs, setup, prompt, cfg, local_span=store.load_span(4, 5))
+                assert report.tokens == hf_greedy(tiny_qwen2_hf, prompt, N_NEW), (mode, tree_nodes)
+                assert report.transport.route == [first["peer_id"], peers["mid"]["peer_id"]]
+                assert local_hops(report) == [(4, 5)] and report.transport.hops[-1].local
                 if tree_nodes is not None:  # auto may choose either
-                    assert (report["tree_windows"] > 0) == (tree_nodes > 0)
+                    assert (report.result.tree_windows > 0) == (tree_nodes > 0)
 
     trio.run(main)
 
@@ -128,12 +128,12 @@ def test_a_peer_killed_with_a_tree_in_flight_is_replaced_and_the_head_span_repla
 
     async def main():
         async with head_node([net.bootstrap]) as (node, legs):
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=LAYERS, max_len=256, blocks=(2, LAYERS)) as keeper:
-                backend = KillOnTree(store.load_head(), keeper, timeout_s=60, pids=pids, local=store.load_span(0, 2))
+            async with open_route_client(node, legs, swarm_of(node, MODEL, LAYERS, blocks=(2, LAYERS)), max_len=256) as client:
+                backend = KillOnTree(store.load_head(), client, timeout_s=60, pids=pids, local=store.load_span(0, 2))
                 drafter = ModelDrafter(noisy_draft, SamplingParams())
                 cfg = GenerationConfig(mode="dsd", max_new_tokens=N_NEW, tree_nodes=12)
-                result = await HeadEngine(backend, drafter, cfg).generate(prompt)
-                return result, backend, list(keeper.events), keeper.session.peers
+                result = await HeadEngine(backend, drafter, cfg).run(prompt)
+                return result, backend, list(client.events), client.session.peers
 
     result, backend, events, route = trio.run(main)
     assert backend.killed is not None and backend.replayed_tree

@@ -14,14 +14,15 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli_testnet, hf_greedy
+from conftest import cli_testnet, hf_greedy, swarm_of
 from dsd.discovery.announce import fetch_records
-from dsd.discovery.planner import NoRouteError
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.errors import RouteGaveOut
+from dsd.node.route.open import open_route_client
 from dsd.node.testnet.processes import pid_alive
 from dsd.shard_store import Store
 
@@ -68,8 +69,8 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
     killed_at: list[float] = []
     gaps: list[float] = []  # seconds from a kill to the next accepted tokens
     async with head_node([testnet["bootstrap"]]) as (node, legs):
-        async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
-            engine = HeadEngine(RouteBackend(head, keeper, timeout_s=60), NgramDrafter(),
+        async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256) as client:
+            engine = HeadEngine(RouteBackend(head, client, timeout_s=60), NgramDrafter(),
                                 GenerationConfig(mode="dsd", max_new_tokens=N_NEW, gamma=3))
             produced = 0
 
@@ -81,7 +82,7 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
                 for threshold, which in list(kill_after.items()):
                     if produced >= threshold:
                         del kill_after[threshold]
-                        hops = keeper.session.hops
+                        hops = client.session.hops
                         victim = hops[0] if which == "first" else hops[-1]
                         if freeze_first is not None:
                             os.kill(freeze_first, signal.SIGSTOP)
@@ -90,13 +91,13 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
                         killed.append(victim.peer_id)
 
             try:
-                result = await engine.generate(PROMPT, on_tokens=on_tokens)
-            except NoRouteError as exc:
-                return None, exc, engine.progress, keeper.events, killed
-            for event, gap in zip(keeper.events, gaps, strict=False):
+                result = await engine.run(PROMPT, on_tokens=on_tokens)
+            except RouteGaveOut as exc:
+                return None, exc, engine.result.tokens, client.events, killed
+            for event, gap in zip(client.events, gaps, strict=False):
                 print(f"\nfailover: blamed {event.blamed[0][-8:]}, new route in {event.seconds:.2f} s, "
                       f"signal to next tokens {gap:.2f} s")
-            return result, None, engine.progress, keeper.events, killed
+            return result, None, engine.result.tokens, client.events, killed
 
 
 def test_sigterm_mid_generation_fails_over_and_the_peer_exits_cleanly(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
@@ -140,8 +141,8 @@ def test_no_replacement_stops_with_missing_blocks_and_keeps_the_prefix(replicate
     store = Store(tiny_qwen2_root / "store")
     result, error, progress, _, killed = trio.run(run_with_kills, replicated, store, {8: "last"})
     assert result is None
-    assert isinstance(error, NoRouteError)
-    assert error.missing_blocks == [3, 4]
+    assert isinstance(error, RouteGaveOut) and error.failure.verdict == "no_route"
+    assert error.failure.missing_blocks == [3, 4] and error.failure.blamed == killed
     assert "3-4" in str(error)
     assert 8 <= len(progress) < N_NEW
     assert progress == expected[: len(progress)]

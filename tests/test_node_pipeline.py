@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import DaemonSwarm, hf_greedy
+from conftest import DaemonSwarm, generate_on, hf_greedy, swarm_of
 from dsd.discovery.survey import survey
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.generate import generate_once, plan_hops
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -56,7 +56,7 @@ def test_windows_go_ahead_and_output_is_exact(swarm, tiny_qwen2_root: Path, tiny
     net, _ = swarm
     store = Store(tiny_qwen2_root / "store")
     head = store.load_head()
-    reports: dict[tuple[str, bool], list[dict]] = {}
+    reports: dict[tuple[str, bool], list] = {}
 
     async def main() -> None:
         async with head_node([net.bootstrap]) as (node, legs):
@@ -65,15 +65,15 @@ def test_windows_go_ahead_and_output_is_exact(swarm, tiny_qwen2_root: Path, tiny
                 for kind, model in (("self", store.load_full()), ("noisy", noisy_draft)):
                     for local in (False, True):
                         setup = HeadSetup(head, MODEL, LAYERS, ModelDrafter(model, SamplingParams()))
-                        report = await generate_once(node, legs, setup, prompt, _cfg(pipeline=3),
+                        report = await generate_on(node, legs, setup, prompt, _cfg(pipeline=3),
                                                      local_span=store.load_span(4, 5) if local else None)
-                        assert report["tokens"] == expected, (kind, local, prompt)
+                        assert report.tokens == expected, (kind, local, prompt)
                         reports.setdefault((kind, local), []).append(report)
 
     trio.run(main)
     for local in (False, True):
-        assert sum(r["pipelined_rounds"] for r in reports["self", local]) > 0
-        assert sum(r["pipelined_wasted"] for r in reports["noisy", local]) > 0
+        assert sum(r.result.pipelined_rounds for r in reports["self", local]) > 0
+        assert sum(r.result.pipelined_wasted for r in reports["noisy", local]) > 0
 
 
 class KillAhead(RouteBackend):
@@ -106,15 +106,15 @@ def test_a_route_that_cannot_open_is_retried_then_failed_over(swarm, tiny_qwen2_
 
     async def main() -> tuple[list[int], list[list[str]]]:
         async with head_node([net.bootstrap]) as (node, legs):
-            hops = plan_hops((await survey(node, MODEL, LAYERS)).plan)
+            hops = list((await survey(node, MODEL, LAYERS)).plan.protocol_hops())
             hops[0] = Hop(ghost, ("/ip4/127.0.0.1/tcp/9",), hops[0].start, hops[0].end)
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=LAYERS, max_len=128, hops=hops) as keeper:
-                backend = RouteBackend(store.load_head(), keeper, timeout_s=60)
+            async with open_route_client(node, legs, swarm_of(node, MODEL, LAYERS), max_len=128, hops=hops) as client:
+                backend = RouteBackend(store.load_head(), client, timeout_s=60)
                 drafter = ModelDrafter(store.load_full(), SamplingParams())
-                result = await HeadEngine(backend, drafter, _cfg()).generate(prompt)
-                return result.tokens, [e.blamed for e in keeper.events]
+                result = await HeadEngine(backend, drafter, _cfg()).run(prompt)
+                return result.tokens, [e.blamed for e in client.events]
 
-    with caplog.at_level("WARNING", logger="dsd.node.route.keeper"):
+    with caplog.at_level("WARNING", logger="dsd.node.route.client"):
         tokens, blamed = trio.run(main)
     assert sum("retrying once on the same peers" in r.getMessage() for r in caplog.records) == 1
     assert blamed == [[ghost]]
@@ -123,7 +123,7 @@ def test_a_route_that_cannot_open_is_retried_then_failed_over(swarm, tiny_qwen2_
 
 def test_failover_with_a_window_ahead_replays_the_oldest_and_stays_exact(swarm, tiny_qwen2_root: Path,
                                                                          tiny_qwen2_hf) -> None:
-    """The last hop dies as a window goes ahead: the keeper moves to the spare 4:5 peer, the backend replays
+    """The last hop dies as a window goes ahead: the client moves to the spare 4:5 peer, the backend replays
     the committed tokens and the oldest window, the window sent ahead is dropped, and the output is exact."""
     net, peers = swarm
     store = Store(tiny_qwen2_root / "store")
@@ -133,11 +133,10 @@ def test_failover_with_a_window_ahead_replays_the_oldest_and_stays_exact(swarm, 
     async def main() -> tuple[list[int], KillAhead]:
         async with head_node([net.bootstrap]) as (node, legs):
             view = await survey(node, MODEL, LAYERS)
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=LAYERS, max_len=128,
-                                         hops=plan_hops(view.plan)) as keeper:
-                backend = KillAhead(store.load_head(), keeper, timeout_s=60, pids=pids)
+            async with open_route_client(node, legs, swarm_of(node, MODEL, LAYERS), max_len=128, hops=list(view.plan.protocol_hops())) as client:
+                backend = KillAhead(store.load_head(), client, timeout_s=60, pids=pids)
                 drafter = ModelDrafter(store.load_full(), SamplingParams())
-                result = await HeadEngine(backend, drafter, _cfg()).generate(prompt)
+                result = await HeadEngine(backend, drafter, _cfg()).run(prompt)
                 return result.tokens, backend
 
     tokens, backend = trio.run(main)

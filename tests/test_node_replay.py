@@ -15,13 +15,14 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli_testnet, hf_greedy
+from conftest import cli_testnet, hf_greedy, swarm_of
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -71,14 +72,14 @@ class KillingBackend(RouteBackend):
 
 async def generate(testnet: dict, store: Store, prompt: list[int], *, chunk: int, boundary: int, victim: str | None):
     async with head_node([testnet["bootstrap"]]) as (node, legs):
-        async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=320) as keeper:
-            backend = KillingBackend(store.load_head(), keeper, timeout_s=60, replay_chunk=chunk,
+        async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=320) as client:
+            backend = KillingBackend(store.load_head(), client, timeout_s=60, replay_chunk=chunk,
                                      boundary=boundary, victim=victim, testnet=testnet)
             drafter = ModelDrafter(store.load_full(), SamplingParams())
             # sd, not dsd: every window then holds exactly GAMMA + 1 tokens (a ready dsd window may hold fewer).
             engine = HeadEngine(backend, drafter, GenerationConfig(mode="sd", max_new_tokens=N_NEW, gamma=GAMMA))
-            result = await engine.generate(prompt)
-            return result, backend.straddled, list(keeper.events)
+            result = await engine.run(prompt)
+            return result, backend.straddled, list(client.events)
 
 
 def test_a_window_longer_than_a_chunk_is_verified_whole(testnet: dict, tiny_qwen2_root: Path) -> None:

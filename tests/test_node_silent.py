@@ -20,20 +20,21 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, cli_testnet, hf_greedy
+from conftest import cli, cli_testnet, hf_greedy, swarm_of
 from dsd.discovery.survey import survey, wait_for_route
-from dsd.node.federated.generate import generate_federated
+from dsd.node.federated.backend import open_federated_backend
 from dsd.node.federated.pool import find_workers
-from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
+from dsd.node.head import generation
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.deadline import first_silent, slowest_hop
-from dsd.node.route.generate import plan_hops
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
+from dsd.protocol.deadlines import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
+from dsd.protocol.route_state import DeadlinePassed, first_silent, slowest_hop
 from dsd.shard_store import Store
 
 MODEL = "tiny-qwen2"
@@ -159,15 +160,15 @@ def store(root: Path) -> Store:
 async def generate(testnet: dict, root: Path, *, freeze_after: int | None = None, freeze_at_open: bool = False,
                    frozen: Frozen, which=lambda hops: hops):
     """Greedy dsd over a fresh head; freezes `which(route hops)` after `freeze_after` tokens, or right
-    after the route opened. Returns (tokens, keeper, seconds from the freeze to the next tokens, first session)."""
+    after the route opened. Returns (tokens, client, seconds from the freeze to the next tokens, first session)."""
     head = store(root).load_head()
     gaps: list[float] = []
     async with head_node([testnet["bootstrap"]]) as (node, legs):
-        async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
-            first = keeper.session
+        async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256) as client:
+            first = client.session
             if freeze_at_open:
-                frozen.stop(*[h.peer_id for h in which(keeper.session.hops)])
-            engine = HeadEngine(RouteBackend(head, keeper, timeout_s=120), NgramDrafter(),
+                frozen.stop(*[h.peer_id for h in which(client.session.hops)])
+            engine = HeadEngine(RouteBackend(head, client, timeout_s=120), NgramDrafter(),
                                 GenerationConfig(mode="dsd", max_new_tokens=N_NEW, gamma=3))
             produced = 0
 
@@ -177,36 +178,36 @@ async def generate(testnet: dict, root: Path, *, freeze_after: int | None = None
                 if frozen.at is not None and not gaps:
                     gaps.append(time.monotonic() - frozen.at)
                 if freeze_after is not None and produced >= freeze_after and frozen.at is None:
-                    frozen.stop(*[h.peer_id for h in which(keeper.session.hops)])
+                    frozen.stop(*[h.peer_id for h in which(client.session.hops)])
 
-            result = await engine.generate(PROMPT, on_tokens=on_tokens)
-            return result.tokens, keeper, gaps[0] if gaps else None, first
+            result = await engine.run(PROMPT, on_tokens=on_tokens)
+            return result.tokens, client, gaps[0] if gaps else None, first
 
 
 @pytest.mark.network
 def test_frozen_replica_of_each_span_is_routed_around_in_seconds(testnet: dict, tiny_qwen2_root: Path,
                                                                  expected: list[int], frozen: Frozen) -> None:
-    tokens, keeper, gap, _ = trio.run(lambda: generate(testnet, tiny_qwen2_root, freeze_after=12, frozen=frozen))
+    tokens, client, gap, _ = trio.run(lambda: generate(testnet, tiny_qwen2_root, freeze_after=12, frozen=frozen))
     print(f"\nSIGSTOP of {len(frozen.stopped)} hops to the next accepted tokens: {gap:.2f} s "
-          f"(new route open {keeper.events[0].seconds:.2f} s after the failure was declared)")
+          f"(new route open {client.events[0].seconds:.2f} s after the failure was declared)")
     assert tokens == expected
-    assert len(keeper.events) == 1
-    assert sorted(keeper.events[0].blamed) == sorted(frozen.stopped)  # only the frozen peers
-    assert not set(frozen.stopped) & set(keeper.events[0].new_route)
+    assert len(client.events) == 1
+    assert sorted(client.events[0].blamed) == sorted(frozen.stopped)  # only the frozen peers
+    assert not set(frozen.stopped) & set(client.events[0].new_route)
     assert gap is not None and gap < 5.0
 
 
 @pytest.mark.network
 def test_hop_frozen_right_after_the_open_is_found_and_its_successor_frees_the_session(
         testnet: dict, tiny_qwen2_root: Path, expected: list[int], frozen: Frozen) -> None:
-    tokens, keeper, gap, first = trio.run(lambda: generate(testnet, tiny_qwen2_root, freeze_at_open=True,
+    tokens, client, gap, first = trio.run(lambda: generate(testnet, tiny_qwen2_root, freeze_at_open=True,
                                                           frozen=frozen, which=lambda hops: hops[:1]))
     print(f"\nblack hole (first hop stopped after the open) to the first tokens: {gap:.2f} s")
     assert tokens == expected
-    assert [e.blamed for e in keeper.events] == [frozen.stopped]
+    assert [e.blamed for e in client.events] == [frozen.stopped]
     assert gap is not None and gap < 5.0
     # The second hop's session had the frozen peer upstream: a ping finds it silent and frees the session.
-    assert "did not answer a ping" in keeper.events[0].error
+    assert "did not answer a ping" in client.events[0].error
     log = Path(frozen.logs[first.peers[1]])
     second = None
     deadline = time.monotonic() + 20
@@ -225,8 +226,8 @@ def test_frozen_candidates_are_not_waited_for_when_planning(testnet: dict, froze
     async def plan() -> tuple[float, list[str]]:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             t0 = time.monotonic()
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=64) as keeper:
-                return time.monotonic() - t0, keeper.session.peers
+            async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=64) as client:
+                return time.monotonic() - t0, client.session.peers
 
     usual, _ = trio.run(plan)
     by_span: dict[int, list[str]] = {}
@@ -270,18 +271,18 @@ def test_healthy_route_at_400_ms_links_never_fails_over(tiny_qwen2_root: Path, t
 
         async def main():
             async with head_node([net["bootstrap"]]) as (node, legs):
-                async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
-                    engine = HeadEngine(RouteBackend(store(tiny_qwen2_root).load_head(), keeper, timeout_s=120),
+                async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256) as client:
+                    engine = HeadEngine(RouteBackend(store(tiny_qwen2_root).load_head(), client, timeout_s=120),
                                         ModelDrafter(draft, SamplingParams()), GenerationConfig(mode="dsd", max_new_tokens=n_new))
-                    result = await engine.generate(PROMPT)
-                    rounds = keeper.session.rounds
-                    return result, keeper, {c: max(v) for c, v in rounds._classes.items()}
+                    result = await engine.run(PROMPT)
+                    rounds = client.state.rounds
+                    return result, client, {c: max(v) for c, v in rounds._classes.items()}
 
-        result, keeper, worst = trio.run(main)
+        result, client, worst = trio.run(main)
         print(f"\n{result.rounds} rounds, accepted per round {result.accepted_per_round}, "
               f"slowest round per size class {worst}")
         assert result.tokens == want
-        assert keeper.events == [] and keeper.late_checks == 0 and keeper.slow_checks == 0
+        assert client.events == [] and client.state.late_checks == 0 and client.state.slow_checks == 0
         assert max(worst.values()) > 1.2  # the links really were slow
     finally:
         cli("testnet", "down", "--state", str(tmp_path), timeout=60)
@@ -290,8 +291,8 @@ def test_healthy_route_at_400_ms_links_never_fails_over(tiny_qwen2_root: Path, t
 @pytest.mark.network
 def test_a_given_route_on_slow_links_is_not_blamed_for_a_late_window(tiny_qwen2_root: Path, tmp_path: Path,
                                                                      expected: list[int]) -> None:
-    """A route given to the keeper (as the benchmark does: no survey of its own, so no RTTs) over links
-    slower than the keeper's floor for an unmeasured ping (0.4 s each way, a ping 0.8 s, floor 0.5 s
+    """A route given to the client (as the benchmark does: no survey of its own, so no RTTs) over links
+    slower than the client's floor for an unmeasured ping (0.4 s each way, a ping 0.8 s, floor 0.5 s
     here; the default 3 s met 1.5 s links in the benchmark, blamed every hop and failed the generation):
     the pings a late window sends wait on the route's measured rounds and the live peer is not blamed."""
     with cli_testnet(tmp_path, "--store", str(tiny_qwen2_root / "store"), "--peers", "1",
@@ -299,19 +300,20 @@ def test_a_given_route_on_slow_links_is_not_blamed_for_a_late_window(tiny_qwen2_
 
         async def main():
             async with head_node([net["bootstrap"]], LinkProfile(latency_s=0.4)) as (node, legs):
-                hops = plan_hops((await wait_for_route(node, MODEL, 5, 60)).plan)
-                async with open_route_keeper(node, legs, hops=hops, model=MODEL, num_layers=5, max_len=64,
-                                             probe_timeout_s=0.5) as keeper:
-                    engine = HeadEngine(RouteBackend(store(tiny_qwen2_root).load_head(), keeper, timeout_s=60),
+                hops = list((await wait_for_route(node, MODEL, 5, 60)).plan.protocol_hops())
+                async with open_route_client(node, legs, swarm_of(node, MODEL, 5), hops=hops, max_len=64, probe_timeout_s=0.5) as client:
+                    engine = HeadEngine(RouteBackend(store(tiny_qwen2_root).load_head(), client, timeout_s=60),
                                         NgramDrafter(), GenerationConfig(mode="ar", max_new_tokens=2))
-                    result = await engine.generate(PROMPT)
+                    result = await engine.run(PROMPT)
                     t0 = time.monotonic()
-                    await keeper._late(keeper.session, 1)  # what the session runs when a window misses its deadline
-                    return result, keeper, time.monotonic() - t0
+                    # What the client does when a window misses its deadline (one is pretended in flight).
+                    client.state.timer.sent((9, 9), 1, trio.current_time())
+                    await client._recover(client.state.handle(DeadlinePassed(trio.current_time())))
+                    return result, client, time.monotonic() - t0
 
-        result, keeper, pinged_s = trio.run(main)
+        result, client, pinged_s = trio.run(main)
     assert result.tokens == expected[:2]
-    assert keeper.late_checks == 1 and keeper.events == []
+    assert client.state.late_checks == 1 and client.events == []
     assert pinged_s > 0.5  # the ping really outlasted the floor
 
 
@@ -342,9 +344,10 @@ def test_federated_window_deadline_comes_from_measured_rounds(tiny_qwen2_store: 
             with trio.fail_after(30):
                 while len(workers := await find_workers(node, 300)) < 2:
                     await trio.sleep(0.5)
-            return await generate_federated(node, workers, NgramDrafter(), PROMPT,
-                                            GenerationConfig(mode="sd", max_new_tokens=12, gamma=3), vocab_size=300,
-                                            window_timeout_s=60.0, on_tokens=on_tokens)
+            cfg = GenerationConfig(mode="sd", max_new_tokens=12, gamma=3)
+            async with open_federated_backend(node, workers, vocab_size=300, params=cfg.params, max_len=64,
+                                              window_timeout_s=60.0) as backend:
+                return await generation.generate(backend, NgramDrafter(), cfg, PROMPT, on_tokens=on_tokens)
 
     try:
         report = trio.run(main)
@@ -352,8 +355,8 @@ def test_federated_window_deadline_comes_from_measured_rounds(tiny_qwen2_store: 
         os.kill(stopped["pid"], signal.SIGCONT)
         cli("testnet", "down", "--state", str(tmp_path), timeout=60)
     print(f"\nfederated: stopped worker to the next tokens {gaps[0]:.2f} s (cap 60 s)")
-    left_out = next(w for w in report["workers"] if w["peer_id"] == stopped["peer_id"])
-    assert len(report["tokens"]) == 12 and left_out["windows_missed"] >= 1
+    left_out = next(w for w in report.transport.workers if w["peer_id"] == stopped["peer_id"])
+    assert len(report.tokens) == 12 and left_out["windows_missed"] >= 1
     assert gaps[0] < 5.0
 
 

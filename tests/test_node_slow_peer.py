@@ -12,13 +12,14 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import daemon
+from conftest import daemon, swarm_of
 from dsd.discovery.survey import survey
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.node.testnet.processes import stop_processes, wait_ready
 from dsd.shard_store import Store
 
@@ -92,17 +93,16 @@ def test_peer_slow_on_windows_is_replaced_by_a_faster_replica(tiny_qwen2_root: P
                 # but its pongs can queue behind its own DHT replies on the narrow link (on a busy CPU, in
                 # several attempts running), so the first plan leaves the wide replica out; failover may
                 # still use it.
-                async with open_route_keeper(node, legs, avoid=frozenset({ids["wide"]}), model="tiny-qwen2",
-                                             num_layers=5, max_len=128) as keeper:
-                    assert keeper.session.peers == [ids["first"], ids["narrow"]]
-                    engine = HeadEngine(RouteBackend(Store(store).load_head(), keeper, timeout_s=120),
+                async with open_route_client(node, legs, swarm_of(node, "tiny-qwen2", 5), avoid=frozenset({ids["wide"]}), max_len=128) as client:
+                    assert client.session.peers == [ids["first"], ids["narrow"]]
+                    engine = HeadEngine(RouteBackend(Store(store).load_head(), client, timeout_s=120),
                                         NgramDrafter(), GenerationConfig(mode="dsd", max_new_tokens=n_new, gamma=3))
-                    return await engine.generate(prompt), keeper
+                    return await engine.run(prompt), client
 
-        result, keeper = trio.run(main)
+        result, client = trio.run(main)
         assert result.tokens == expected
-        assert len(keeper.events) == 1, [e.error for e in keeper.events]
-        event = keeper.events[0]
+        assert len(client.events) == 1, [e.error for e in client.events]
+        event = client.events[0]
         print(f"\nslow hop replaced: {event.error} (new route open in {event.seconds:.2f} s)")
         assert event.blamed == [ids["narrow"]] and "is slow" in event.error
         assert event.new_route == [ids["first"], ids["wide"]]

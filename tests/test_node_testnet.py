@@ -15,16 +15,16 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from conftest import cli, daemon, hf_greedy, make_tiny_model
+from conftest import cli, daemon, generate_on, hf_greedy, make_tiny_model, swarm_of
 from dsd.discovery.survey import survey
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
 from dsd.node.route.backend import RouteBackend
-from dsd.node.route.generate import generate_once, plan_hops
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.node.route.session import open_route_session
 from dsd.shard_store import Store
 
@@ -118,7 +118,7 @@ def test_ring_gives_the_whole_models_logits_with_truncate(testnet: dict, tiny_qw
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             view = await survey(node, MODEL, 5)
             assert view.plan is not None
-            async with open_route_session(node, legs, plan_hops(view.plan), model=MODEL, max_len=64) as session:
+            async with open_route_session(node, legs, list(view.plan.protocol_hops()), model=MODEL, max_len=64) as session:
                 out = await session.forward(embed(seq[:, :20]), start=0, commit=0)
                 assert torch.allclose(logits(out), full(seq[:, :20]), atol=1e-4)
                 at = 20
@@ -159,13 +159,13 @@ def test_greedy_generation_over_the_swarm_equals_hf(testnet: dict, tiny_qwen2_ro
                 expected = hf_greedy(reference, prompt, n)
                 for mode in ("ar", "sd", "dsd"):
                     setup = HeadSetup(head, MODEL, 5, None if mode == "ar" else drafter())
-                    report = await generate_once(node, legs, setup, prompt, GenerationConfig(mode=mode, max_new_tokens=n))
-                    assert report["tokens"] == expected, (mode, drafter_kind, prompt)
-                    assert report["bytes_sent"] > 0 and report["bytes_received"] > 0
+                    report = await generate_on(node, legs, setup, prompt, GenerationConfig(mode=mode, max_new_tokens=n))
+                    assert report.tokens == expected, (mode, drafter_kind, prompt)
+                    assert report.transport.bytes_sent > 0 and report.transport.bytes_received > 0
                     if mode == "ar":
-                        assert report["rounds"] == n
+                        assert report.result.rounds == n
                     elif drafter_kind == "self":
-                        assert report["acceptance_rate"] == 1.0 and report["rounds"] < n
+                        assert report.result.acceptance_rate == 1.0 and report.result.rounds < n
 
     trio.run(main)
 
@@ -182,11 +182,11 @@ def test_peers_kv_equals_committed_length_after_rejections(testnet: dict, tiny_q
     async def main() -> None:
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             view = await survey(node, MODEL, 5)
-            async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=128, hops=plan_hops(view.plan)) as keeper:
-                session = keeper.session
-                backend = RouteBackend(head, keeper)
+            async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=128, hops=list(view.plan.protocol_hops())) as client:
+                session = client.session
+                backend = RouteBackend(head, client)
                 drafter = ModelDrafter(make_tiny_model("qwen2", seed=5, layers=2), SamplingParams())
-                result = await HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16, gamma=4)).generate(prompt)
+                result = await HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=16, gamma=4)).run(prompt)
                 assert result.drafted > result.accepted  # rejections happened
                 committed = len(prompt) + len(result.tokens) - 1
                 # Peers hold at least `committed` entries (the last window may have appended drafts).
@@ -213,12 +213,12 @@ def test_prompt_longer_than_a_peer_window_is_sent_in_chunks(testnet: dict, tiny_
     prompt = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     expected = hf_greedy(reference, prompt, 6)
 
-    async def main() -> dict:
+    async def main():
         async with head_node([testnet["bootstrap"]]) as (node, legs):
             setup = HeadSetup(store.load_head(), MODEL, 5, NgramDrafter())
-            return await generate_once(node, legs, setup, prompt, GenerationConfig(mode="dsd", max_new_tokens=6))
+            return await generate_on(node, legs, setup, prompt, GenerationConfig(mode="dsd", max_new_tokens=6))
 
-    assert trio.run(main)["tokens"] == expected
+    assert trio.run(main).tokens == expected
 
 
 def test_generate_cli_streams_text_and_reports_json(testnet: dict, tiny_qwen2_root: Path, reference) -> None:

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import KillOnTree, cli, cli_testnet, daemon, hf_greedy
+from conftest import KillOnTree, cli, cli_testnet, daemon, generate_on, hf_greedy, swarm_of
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
-from dsd.node.head.engine import GenerationConfig, HeadEngine
+from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.host import head_node
-from dsd.node.route.generate import generate_once
-from dsd.node.route.keeper import open_route_keeper
+from dsd.node.route.open import open_route_client
 from dsd.node.testnet.processes import stop_processes, wait_ready
 from dsd.shard_store import Store
 
@@ -50,11 +50,11 @@ def test_greedy_tree_generation_over_the_ring_equals_hf(testnet: dict, tiny_qwen
                     for tree_nodes in (None, 12):
                         setup = HeadSetup(head, MODEL, 5, ModelDrafter(noisy_draft, SamplingParams()))
                         cfg = GenerationConfig(mode=mode, max_new_tokens=N_NEW, tree_nodes=tree_nodes)
-                        report = await generate_once(node, legs, setup, prompt, cfg)
-                        assert report["tokens"] == expected, (mode, tree_nodes, prompt)
-                        trees[mode, tree_nodes] = trees.get((mode, tree_nodes), 0) + report["tree_windows"]
-                        if report["tree_windows"]:
-                            assert report["mean_tree_nodes"] > report["mean_window_depth"]
+                        report = await generate_on(node, legs, setup, prompt, cfg)
+                        assert report.tokens == expected, (mode, tree_nodes, prompt)
+                        trees[mode, tree_nodes] = trees.get((mode, tree_nodes), 0) + report.result.tree_windows
+                        if report.result.tree_windows:
+                            assert report.result.mean_tree_nodes > report.result.mean_window_depth
 
     trio.run(main)
     print(f"\ntree windows per (mode, budget): {trees}")
@@ -96,12 +96,12 @@ def test_a_hop_killed_with_a_tree_in_flight_is_replaced_and_output_is_unchanged(
 
         async def main():
             async with head_node([testnet["bootstrap"]]) as (node, legs):
-                async with open_route_keeper(node, legs, model=MODEL, num_layers=5, max_len=256) as keeper:
-                    backend = KillOnTree(store.load_head(), keeper, timeout_s=60, pids=pids)
+                async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256) as client:
+                    backend = KillOnTree(store.load_head(), client, timeout_s=60, pids=pids)
                     drafter = ModelDrafter(noisy_draft, SamplingParams())
                     cfg = GenerationConfig(mode="sd", max_new_tokens=N_NEW, tree_nodes=12)
-                    result = await HeadEngine(backend, drafter, cfg).generate(prompt)
-                    return result, backend, list(keeper.events)
+                    result = await HeadEngine(backend, drafter, cfg).run(prompt)
+                    return result, backend, list(client.events)
 
         result, backend, events = trio.run(main)
     finally:

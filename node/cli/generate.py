@@ -96,32 +96,37 @@ def _topk(text: str) -> int | None:
     return k
 
 
-def _federated_options(args: argparse.Namespace) -> dict[str, Any]:
+def _federated_target(args: argparse.Namespace) -> Any:
+    from dsd.node.peer.generation import FederatedTarget
+
     peer_ids = None if args.workers == "auto" else [p.strip() for p in args.workers.split(",") if p.strip()]
-    return {"peer_ids": peer_ids, "top_k": _topk(args.topk), "weights": parse_weights(args.weights),
-            "method": args.reconstruct, "window_timeout_s": args.worker_timeout}
+    return FederatedTarget(peer_ids=peer_ids, top_k=_topk(args.topk), weights=parse_weights(args.weights),
+                           method=args.reconstruct, window_timeout_s=args.worker_timeout)
 
 
-def _summary(report: dict, federated: bool) -> str:
-    if federated:
-        active = len([w for w in report["workers"] if w["state"] == "active"])
-        return (f"[federated {report['mode']}] {report['new_tokens']} tokens in {report['elapsed_s']:.2f} s, "
-                f"{active}/{len(report['workers'])} workers, acceptance {report['acceptance_rate']:.2f}, "
-                f"uplink {report['uplink_bytes_per_token']:.0f} B/token, missed {report['missed']}")
-    return (f"[{report['mode']}] {report['new_tokens']} tokens in {report['elapsed_s']:.2f} s "
-            f"({report['tokens_per_s']:.2f} tok/s), {report['rounds']} rounds, "
-            f"mean accepted {report['mean_accepted']:.2f}")
+def _summary(report: Any) -> str:
+    """One line on how the generation went (a `GenerationReport`)."""
+    from dsd.node.federated.record import FederatedRecord
+
+    r, t = report.result, report.transport
+    if isinstance(t, FederatedRecord):
+        return (f"[federated {r.mode}] {r.new_tokens} tokens in {r.elapsed_s:.2f} s, "
+                f"{t.active_workers}/{len(t.workers)} workers, acceptance {r.acceptance_rate:.2f}, "
+                f"uplink {t.bytes_received / max(1, r.new_tokens):.0f} B/token, missed {t.missed}")
+    return (f"[{r.mode}] {r.new_tokens} tokens in {r.elapsed_s:.2f} s ({r.tokens_per_s:.2f} tok/s), "
+            f"{r.rounds} rounds, mean accepted {r.mean_accepted:.2f}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     import trio
 
-    from dsd.node.head.engine import GenerationConfig
+    from dsd.node.head.config import GenerationConfig
+    from dsd.node.head.report import GenerationFailed
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import encode_prompt, eos_ids, load_head_setup
     from dsd.node.head.streaming import TextStreamer
-    from dsd.node.peer.head import GenerationFailed, generate_text, load_head_span
+    from dsd.node.peer.generation import RouteTarget, generate_from_fresh_head, load_head_span
     from dsd.shard_store import Store, StoreError
     from dsd.shard_store.devices import resolve_placement
 
@@ -166,24 +171,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def text_of(tokens: list[int]) -> str | None:
         return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
 
-    federated = _federated_options(args) if args.federated else None
+    target = _federated_target(args) if args.federated else RouteTarget(local=local_span)
     try:
-        report = trio.run(lambda: generate_text(
+        report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
-            on_tokens=on_tokens, federated=federated, local_span=local_span,
+            on_tokens=on_tokens, target=target,
         ))
     except GenerationFailed as exc:
-        print(f"\ndsd-node: generation failed after {len(exc.tokens)} tokens: {exc}", file=sys.stderr)
+        failure = exc.failure
+        blamed = f"; blamed {', '.join(failure.blamed)}" if failure.blamed else ""
+        print(f"\ndsd-node: generation failed after {len(exc.tokens)} tokens ({failure.verdict}): {exc}{blamed}",
+              file=sys.stderr)
         if args.json:
-            print(json.dumps({**exc.report, "tokens": exc.tokens, "text": text_of(exc.tokens), "error": str(exc)}))
+            print(json.dumps({**exc.as_dict(), "text": text_of(exc.tokens)}))
         return 1
     except ConnectionError as exc:  # no bootstrap peer reachable
         return fail(str(exc), 1)
-    report["text"] = text_of(report["tokens"])
-    report.update(device=str(place.device), dtype=place.dtype_name)
+    text = text_of(report.tokens)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps({**report.as_dict(), "text": text, "device": str(place.device), "dtype": place.dtype_name}))
     else:
-        sys.stdout.write((streamer.finish(report["tokens"]) if streamer else (report["text"] or "")) + "\n")
-        print(_summary(report, args.federated), file=sys.stderr)
+        sys.stdout.write((streamer.finish(report.tokens) if streamer else (text or "")) + "\n")
+        print(_summary(report), file=sys.stderr)
     return 0

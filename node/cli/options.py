@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsd.node.head.deadline import DeadlineRule
 from dsd.node.peer.shaper import LinkProfile
+from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store.manifest import STORE_DTYPES
 
 DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"

@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from dsd.node.head.config import GenerationConfig
-    from dsd.node.service.head import HeadOptions
+    from dsd.node.service.model import HeadOptions
     from dsd.node.service.serve import ServeConfig, read_api_key, serve_until_signal
     from dsd.shard_store import StoreError
     from dsd.shard_store.devices import resolve_placement

@@ -1,6 +1,6 @@
-"""Server side (`FederatedBackend`, a `TargetBackend` with `returns_probs = True`): broadcasts
+"""Server side (`FederatedBackend`, a `TargetBackend` that returns probabilities): broadcasts
 each window to every active worker in parallel, waits until every one answered or the
-window's deadline passed (the shared rule of `dsd.node.head.deadline` over this pool's measured
+window's deadline passed (the shared rule of `dsd.protocol.deadlines` over this pool's measured
 rounds, capped by `window_timeout_s`), rebuilds each distribution (renormalize | residual), averages
 with the weights renormalised over the workers that answered, and hands the engine
 probabilities [rows, V]. A worker that misses a deadline is left out of that window
@@ -13,7 +13,7 @@ least one worker answers.
 Token trees: a window with `parents` goes to every worker whole, asking for every node's
 top-K (a row per node, in window order), and the next window commits its accepted path with
 `keep`, as on a route of block peers; the engine verifies the tree against the aggregate's
-rows like any other probability rows (`supports_trees`).
+rows like any other probability rows.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 import trio
 
-from dsd.discovery.framing import FramedStream, close_quietly
+from dsd.discovery.framing import close_quietly
 from dsd.discovery.host import P2PNode
 from dsd.discovery.tasks import owned_nursery
-from dsd.node.head.deadline import DeadlineRule, RoundTimes
+from dsd.node.head.backend import Capabilities, TargetBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.server.limits import ServerLimits
 from dsd.protocol import (
@@ -46,10 +46,13 @@ from dsd.protocol import (
     aggregate,
     reconstruct,
 )
+from dsd.protocol.deadlines import DeadlineRule, RoundTimes
 from dsd.protocol.ids import FEDERATED_PROTOCOL
 from dsd.protocol.topk import RECONSTRUCT_METHODS
 
+from .links import WorkerLink
 from .pool import FederatedError, WorkerInfo, exchange_hello, pool_key
+from .record import FederatedRecord
 
 log = logging.getLogger(__name__)
 
@@ -64,58 +67,6 @@ PREFILL_CHUNK = ServerLimits.max_window
 
 
 @dataclass
-class WorkerLink:
-    """The server's view of one worker during a generation: stream, weight, state and statistics."""
-
-    info: WorkerInfo
-    weight: float
-    model: str | None = None
-    stream: FramedStream | None = None
-    state: str = "opening"  # opening | active | dropped | failed
-    reason: str = ""
-    k: int = 0
-    windows_sent: int = 0
-    windows_answered: int = 0
-    windows_missed: int = 0
-    consecutive_misses: int = 0
-    rows_received: int = 0
-    eps_sum: float = 0.0
-    results: dict[tuple[int, int], TopKResult] = field(default_factory=dict)
-
-    @property
-    def peer_id(self) -> str:
-        return self.info.peer_id
-
-    @property
-    def bytes_received(self) -> int:
-        return self.stream.bytes_received if self.stream is not None else 0
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.stream.bytes_sent if self.stream is not None else 0
-
-    def report(self) -> dict[str, Any]:
-        """Per-worker statistics for `--json`."""
-        return {
-            "peer_id": self.peer_id,
-            "model": self.model,
-            "weight": self.weight,
-            "state": self.state,
-            "reason": self.reason,
-            "k": self.k,
-            "topk_cap": self.info.topk_cap,
-            "windows_sent": self.windows_sent,
-            "windows_answered": self.windows_answered,
-            "windows_missed": self.windows_missed,
-            "rows_received": self.rows_received,
-            "bytes_received": self.bytes_received,
-            "bytes_sent": self.bytes_sent,
-            "bytes_per_row": round(self.bytes_received / self.rows_received, 2) if self.rows_received else None,
-            "mean_eps": round(self.eps_sum / self.rows_received, 8) if self.rows_received else None,
-        }
-
-
-@dataclass
 class _Window:
     epoch: int
     first_row: int
@@ -126,16 +77,15 @@ class _Window:
     tokens: int
 
 
-class FederatedBackend:
+class FederatedBackend(TargetBackend):
     """The head engine's target backend over federated workers: returns aggregated probabilities [rows, V].
 
     Open it with `open_federated_backend` (one session per worker, opened in parallel, and a
-    reader task per worker in its nursery). `returns_probs` tells the engine to verify against
+    reader task per worker in its nursery). Its probabilities tell the engine to verify against
     log(p̂) at temperature 1.
     """
 
-    returns_probs = True
-    supports_trees = True
+    capabilities = Capabilities(trees=True, probs=True)
 
     def __init__(
         self,
@@ -406,26 +356,15 @@ class FederatedBackend:
         self.aggregate_s += time.perf_counter() - t0
         return probs
 
-    def report(self) -> dict[str, Any]:
-        """Federated statistics for `--json`: per-worker bytes, mean eps, K, answers and misses."""
-        workers = [link.report() for link in self.links]
-        rows = sum(link.rows_received for link in self.links)
-        received = sum(link.bytes_received for link in self.links)
-        return {
-            "federated": True,
-            "reconstruct": self.method,
-            "top_k": self.top_k,
-            "vocab_size": self.vocab_size,
-            "windows": self.windows,
-            "missed": self.misses,
-            "dropped": self.drops,
-            "workers": workers,
-            "bytes_received": received,
-            "bytes_sent": sum(link.bytes_sent for link in self.links),
-            "uplink_bytes_per_row": round(received / rows, 2) if rows else None,
-            "full_distribution_bytes_per_row": 4 * self.vocab_size,
-            "aggregate_s": round(self.aggregate_s, 4),
-        }
+    def transport(self) -> FederatedRecord:
+        """Federated statistics: per-worker bytes, mean eps, K, answers and misses."""
+        return FederatedRecord(
+            reconstruct=self.method, top_k=self.top_k, vocab_size=self.vocab_size, windows=self.windows,
+            missed=self.misses, dropped=self.drops, workers=[link.report() for link in self.links],
+            rows=sum(link.rows_received for link in self.links),
+            bytes_received=sum(link.bytes_received for link in self.links),
+            bytes_sent=sum(link.bytes_sent for link in self.links), aggregate_s=self.aggregate_s,
+        )
 
 
 @asynccontextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -14,6 +14,7 @@ from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import measure_rtt
 from dsd.discovery.records import PeerRecord
+from dsd.node.head.backend import BackendError
 from dsd.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -29,8 +30,25 @@ def pool_key(vocab_size: int) -> str:
     return f"federated/vocab-{int(vocab_size)}"
 
 
-class FederatedError(Exception):
+@dataclass(frozen=True)
+class FederatedFailure:
+    """Why federated generation cannot go on: the verdict, the message, the workers at fault."""
+
+    verdict: str
+    message: str
+    blamed: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "message": self.message, "blamed": list(self.blamed)}
+
+
+class FederatedError(BackendError):
     """Federated generation cannot go on: no usable worker, mismatched vocabularies, bad options."""
+
+    failure: FederatedFailure
+
+    def __init__(self, message: str, *, verdict: str = "no_worker", blamed: Sequence[str] = ()) -> None:
+        super().__init__(FederatedFailure(verdict, message, list(blamed)))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What the head engine is configured with and what it drives: generation settings, the backend and
-drafter interfaces, and the window limits they share."""
+"""What the head engine is configured with: generation settings, the drafter interfaces, and the window
+limits they share (the backend's interface: `backend.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Protocol
 
 import torch
 
-from .deadline import DeadlineRule
+from dsd.protocol.deadlines import DeadlineRule
+
 from .modes import MODES
 from .sampling import SamplingParams
 from .tree import MAX_POOL_NODES, MAX_TREE_NODES
@@ -19,27 +20,6 @@ LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window si
 TREE_CAP = MAX_TREE_NODES - 1  # drafted nodes a tree window may carry: the wire's limit minus the root
 TREE_TOP_K = 4  # children per expanded node, and nodes expanded per layer (EAGLE-2's small-target setting)
 TREE_DEPTH_CAP = (MAX_POOL_NODES - TREE_TOP_K) // (TREE_TOP_K * TREE_TOP_K) + 1  # deepest pool that fits
-
-
-class TargetBackend(Protocol):
-    """Where the target model runs: a route of block peers, or federated workers."""
-
-    async def submit(
-        self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
-        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
-    ) -> None:
-        """Send a window at positions start.. after committing the last one: truncate to `commit`, or with
-        `keep` (commit = that window's start) keep its accepted path. `parents` makes the window a tree.
-        The engine passes `parents` and `keep` only to a backend with a true `supports_trees`."""
-        ...
-
-    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        """Target logits for the last `rows` positions of the submitted window, [rows, V].
-
-        A backend with a true `returns_probs` attribute returns probabilities instead, already
-        warped by whoever computed them (federated workers): see `HeadEngine`.
-        """
-        ...
 
 
 class Drafter(Protocol):
@@ -96,3 +76,13 @@ class GenerationConfig:
     def max_window_nodes(self) -> int:
         """The most drafted tokens one window may carry (a chain's γ_max or a tree's nodes): sizes a session."""
         return max(self.gamma_max, TREE_CAP if self.tree_nodes is None else self.tree_nodes)
+
+    @property
+    def session_slack(self) -> int:
+        """KV rows a session needs beyond prompt and completion: a tree window's nodes all take rows, plus the root
+        and the bonus token."""
+        return self.max_window_nodes + 2
+
+    def session_len(self, prompt_len: int) -> int:
+        """The `max_len` a target session of this generation asks for."""
+        return prompt_len + self.max_new_tokens + self.session_slack

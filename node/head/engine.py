@@ -32,19 +32,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
 
 from .adaptive import AdaptiveVerifier
+from .backend import TargetBackend
 from .config import (
     LOOKAHEAD,
     TREE_CAP,
     TREE_DEPTH_CAP,
     Drafter,
     GenerationConfig,
-    TargetBackend,
 )
 from .drafting import Arrival, Bets, Draft, Drafting
 from .outcomes import (
@@ -87,24 +87,6 @@ class _Flight:
     bets_done: bool = False
 
 
-@dataclass
-class _Tally:
-    """Counters of one generation."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_round: list[int] = field(default_factory=list)
-    windows_after_prefill: int = 0
-    ready: int = 0
-    branches: int = 0
-    prefill_s: float = 0.0
-    depth: int = 0  # positions drafted per window, summed (a chain's γ, a tree's depth)
-    tree_windows: int = 0  # windows sent as trees
-    pipelined: int = 0  # windows sent before the verdict they bet on, and used
-    pipelined_wasted: int = 0  # windows sent before the verdict they bet on, and dropped
-
-
 class HeadEngine:
     """Runs one generation over a backend; the drafter is None for `ar`."""
 
@@ -122,9 +104,10 @@ class HeadEngine:
         self.overlap = cfg.mode in ("dsd", "dsd-adaptive")
         # In dsd the drafting hides behind the trip (when a branch comes true); in sd it adds to it.
         self.window = WindowController(gamma=cfg.gamma, gamma_max=cfg.gamma_max, overlap=self.overlap)
+        caps = backend.capabilities
         # A probability backend already applied the temperature: verify against log(p) at temperature 1,
         # where warp applies the user's top-k and then top-p to the aggregate; greedy = argmax of p.
-        self.returns_probs = bool(getattr(backend, "returns_probs", False))
+        self.returns_probs = caps.probs
         self.verify_params = cfg.params
         if self.returns_probs and not cfg.params.greedy:
             self.verify_params = SamplingParams(temperature=1.0, top_k=cfg.params.top_k, top_p=cfg.params.top_p)
@@ -134,18 +117,16 @@ class HeadEngine:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.times = TimeBreakdown()
         self.drafting = Drafting(drafter, cfg, self.times)
-        self.progress: list[int] = []  # new tokens so far (kept when generation fails midway)
-        can_tree = hasattr(drafter, "dists_many") and hasattr(drafter, "settle") and bool(
-            getattr(backend, "supports_trees", False)
-        )
+        self.result = GenerationResult(cfg.mode, times=self.times)  # kept up to date: a failure keeps what was made
+        can_tree = hasattr(drafter, "dists_many") and hasattr(drafter, "settle") and caps.trees
         if cfg.mode != "ar" and cfg.tree_nodes and not can_tree:
             raise ValueError(
                 "tree windows need a draft model (not n-gram lookup) and a backend that runs trees "
                 "(a route of block peers, federated workers or the local model)"
             )
         self.trees = cfg.mode != "ar" and cfg.tree_nodes != 0 and can_tree
-        # dsd: windows in flight at once; a backend that can hold more than one says `supports_pipeline`.
-        self.pipeline = cfg.pipeline if self.overlap and getattr(backend, "supports_pipeline", False) else 1
+        # dsd: windows in flight at once; a backend that can hold more than one says so.
+        self.pipeline = cfg.pipeline if self.overlap and caps.pipeline else 1
 
     # --- drafting ---------------------------------------------------------
 
@@ -167,20 +148,29 @@ class HeadEngine:
 
     # --- the loop ---------------------------------------------------------
 
-    async def generate(self, prompt: Sequence[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Generate until EOS, a stop string or max_new_tokens; greedy output equals the target's alone."""
+    async def run(self, prompt: Sequence[int], on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Generate until EOS, a stop string or max_new_tokens; greedy output equals the target's alone.
+        `self.result` holds the tokens and counters so far, also when the backend fails midway."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         committed = list(prompt)
-        self.progress = new = []
+        tally = self.result = GenerationResult(self.cfg.mode, times=self.times)
+        new = tally.tokens
         t_start = time.perf_counter()
-        tally = _Tally()
+        try:
+            await self._loop(committed, new, tally, on_tokens)
+        finally:
+            tally.elapsed_s = time.perf_counter() - t_start
+        return tally
+
+    async def _loop(self, committed: list[int], new: list[int], tally: GenerationResult,
+                    on_tokens: Callable[[list[int]], None] | None) -> None:
         epoch = 0
         flights: deque[_Flight] = deque()
         await self._launch(flights, committed, Draft([], []), epoch, start=0, commit=0)
         while True:
             flight = flights.popleft()
-            replays = getattr(self.backend, "replays", 0)
+            replays = self.backend.replays
             logits, round_s = await self._trip(flight, flights, len(new))
             if not tally.rounds:
                 tally.prefill_s = round_s
@@ -197,7 +187,7 @@ class HeadEngine:
                 tally.pipelined_wasted += len(flights)  # sent ahead past the end: never collected
                 self._waste([flight, *flights])
                 break
-            if flights and committed == flights[0].context and getattr(self.backend, "replays", 0) == replays:
+            if flights and committed == flights[0].context and self.backend.replays == replays:
                 self._went_on(tally, flight)  # the window sent on this outcome is already on its way
                 continue
             stale = len(flights)
@@ -214,13 +204,6 @@ class HeadEngine:
                 commit, keep = len(committed) - 1, None
             drafts = await self._next_window(committed, flight.drafts, outcome, flight.bets, tally, len(new))
             await self._launch(flights, committed, drafts, epoch, start=len(committed) - 1, commit=commit, keep=keep)
-        return GenerationResult(
-            mode=self.cfg.mode, tokens=new, elapsed_s=time.perf_counter() - t_start, rounds=tally.rounds,
-            drafted=tally.drafted, accepted=tally.accepted, accepted_per_round=tally.per_round, times=self.times,
-            prefill_s=tally.prefill_s, windows_after_prefill=tally.windows_after_prefill, ready_rounds=tally.ready,
-            branches_drafted=tally.branches, drafted_depth=tally.depth, tree_windows=tally.tree_windows,
-            pipelined_rounds=tally.pipelined, pipelined_wasted=tally.pipelined_wasted,
-        )
 
     async def _launch(self, flights: deque[_Flight], context: list[int], drafts: Draft, epoch: int, *, start: int,
                       commit: int, keep: list[int] | None = None) -> None:
@@ -289,14 +272,14 @@ class HeadEngine:
             drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
             await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1, commit=len(context) - 1)
 
-    def _went_on(self, tally: _Tally, flight: _Flight) -> None:
+    def _went_on(self, tally: GenerationResult, flight: _Flight) -> None:
         """The outcome matched the window sent ahead of it: count a ready round and the drafting it used."""
         tally.windows_after_prefill += 1
-        tally.ready += 1
-        tally.pipelined += 1
+        tally.ready_rounds += 1
+        tally.pipelined_rounds += 1
         bets = flight.bets
         if bets is not None:
-            tally.branches += len(bets.branches)
+            tally.branches_drafted += len(bets.branches)
             self._account(bets, bets.main)
         self.window.observe_ready(True)
 
@@ -312,15 +295,15 @@ class HeadEngine:
             if f.bets is not None:
                 self._account(f.bets, None)
 
-    def _count(self, tally: _Tally, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
+    def _count(self, tally: GenerationResult, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
             return
         tally.drafted += n
         tally.accepted += k
-        tally.per_round.append(k)
-        tally.depth += drafts.depth
+        tally.accepted_per_round.append(k)
+        tally.drafted_depth += drafts.depth
         ranks = _ranks(drafts, outcome) if self.trees else []
         if drafts.tree is None:
             self.window.observe(gamma=n, accepted=k, draft_s_per_token=self.drafting.draft_token_s or 1e-3, round_s=round_s,
@@ -330,7 +313,7 @@ class HeadEngine:
             self.window.observe_tree(nodes=n, ranks=ranks, layer_s=self.drafting.tree_layer_s, round_s=round_s)
 
     async def _next_window(self, committed: list[int], sent: Draft, outcome: _Outcome, bets: Bets | None,
-                           tally: _Tally, produced: int) -> Draft:
+                           tally: GenerationResult, produced: int) -> Draft:
         """The next window's drafts: the branch that bet on this outcome if one did, else drafted now."""
         gamma_next = self._next_gamma(produced + 1)
         tally.windows_after_prefill += 1
@@ -339,11 +322,11 @@ class HeadEngine:
         if bets is not None:
             k = outcome.accepted
             chosen = pick(bets.branches, k, committed[-1]) if sent.tree is None else pick_after_tree(bets.branches, k, committed)
-            tally.branches += len(bets.branches)
+            tally.branches_drafted += len(bets.branches)
             self._account(bets, chosen)
         if chosen is not None and gamma_next > 0:
             drafts = Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])
-            tally.ready += 1
+            tally.ready_rounds += 1
         self.window.observe_ready(chosen is not None)
         if not drafts.tokens and gamma_next > 0:
             nodes, depth = self._tree_plan(gamma_next, produced + 1)

@@ -11,21 +11,22 @@ import trio
 
 from dsd.shard_store import HeadModule
 
+from .backend import Capabilities, TargetBackend
+
 log = logging.getLogger(__name__)
 
 
-class LocalBackend:
+class LocalBackend(TargetBackend):
     """The whole target on this machine (head + every layer in-process): the one-machine reference.
 
     Used to measure t0 (one peer's compute for a decoding step) and to check the
     engine's logic without a network. Runs token-tree windows as the peers do: the spans
     take `parents`, and `keep` compacts every cache to the accepted path of the last tree.
-    Windows may be sent before earlier results are collected (`supports_pipeline`); their results
-    queue in order, and `collect` skips those of an older epoch, as a route does.
+    Windows may be sent before earlier results are collected (pipelining); their results queue in
+    order, and `collect` skips those of an older epoch, as a route does.
     """
 
-    supports_trees = True
-    supports_pipeline = True
+    capabilities = Capabilities(trees=True, pipeline=True)
 
     def __init__(self, head: HeadModule, spans: Sequence) -> None:
         self.head = head

@@ -1,10 +1,18 @@
-"""What a generation reports: new tokens, rounds, exact draft counters and where the head's time went."""
+"""What a generation reports: the engine's counters (`GenerationResult`), the transport's record beside them
+(`GenerationReport`), or why it stopped with the tokens made so far (`GenerationFailed`).
+
+Typed all the way to the edge: the CLI, the service and the benchmarks read fields, and `as_dict` is the
+one place a report becomes JSON.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from .backend import Failure, NoTransport, TransportRecord
 
 
 @dataclass
@@ -43,7 +51,8 @@ class TimeBreakdown:
 
 @dataclass
 class GenerationResult:
-    """New tokens and the statistics `--json` reports (counters are exact, not derived from ratios).
+    """New tokens and the engine's statistics (counters are exact, not derived from ratios), kept up to date
+    while the engine runs: a generation that fails midway still has its tokens and counters.
 
     `drafted` counts every drafted token sent for verification: all nodes of a tree window, so
     `acceptance_rate` is the share of drafted tokens kept. `mean_tree_nodes` is the mean number of
@@ -52,12 +61,12 @@ class GenerationResult:
     """
 
     mode: str
-    tokens: list[int]
-    elapsed_s: float
-    rounds: int
-    drafted: int
-    accepted: int
-    accepted_per_round: list[int]
+    tokens: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
     times: TimeBreakdown = field(default_factory=TimeBreakdown)
     prefill_s: float = 0.0
     windows_after_prefill: int = 0  # windows sent once the prompt was in
@@ -67,6 +76,18 @@ class GenerationResult:
     tree_windows: int = 0  # draft windows sent as token trees
     pipelined_rounds: int = 0  # of the ready rounds, windows sent before the verdict they bet on (dsd pipeline)
     pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_trip(self) -> float:
+        return len(self.tokens) / self.rounds if self.rounds else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -99,7 +120,7 @@ class GenerationResult:
             "new_tokens": n,
             "elapsed_s": round(self.elapsed_s, 4),
             "prefill_s": round(self.prefill_s, 4),
-            "tokens_per_s": round(n / self.elapsed_s, 4) if self.elapsed_s > 0 else 0.0,
+            "tokens_per_s": round(self.tokens_per_s, 4),
             "rounds": self.rounds,
             "draft_rounds": draft_rounds,
             "drafted": self.drafted,
@@ -107,7 +128,7 @@ class GenerationResult:
             "mean_accepted": round(self.mean_accepted, 4),
             "accepted_per_round": list(self.accepted_per_round),
             "acceptance_rate": round(self.acceptance_rate, 4),
-            "tokens_per_trip": round(n / self.rounds, 4) if self.rounds else 0.0,
+            "tokens_per_trip": round(self.tokens_per_trip, 4),
             "windows_after_prefill": self.windows_after_prefill,
             "ready_rounds": self.ready_rounds,
             "ready_share": round(self.ready_share, 4),
@@ -119,3 +140,40 @@ class GenerationResult:
             "pipelined_wasted": self.pipelined_wasted,
             "time_breakdown": self.times.as_dict(),
         }
+
+
+@dataclass
+class GenerationReport:
+    """One generation: the engine's counters and the backend's transport record."""
+
+    result: GenerationResult
+    transport: TransportRecord = field(default_factory=NoTransport)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as `--json` prints it: the engine's statistics and the transport's, side by side."""
+        uplink = round(self.transport.bytes_received / max(1, self.result.new_tokens), 2)
+        return {**self.result.as_dict(), **self.transport.as_dict(), "uplink_bytes_per_token": uplink}
+
+
+class GenerationFailed(Exception):
+    """A generation stopped before its end: `failure` says why (verdict, blamed peers, what was tried);
+    `result` holds the tokens made so far and the counters, `transport` what the wire did."""
+
+    def __init__(self, failure: Failure, result: GenerationResult, transport: TransportRecord | None = None) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+        self.result = result
+        self.transport = transport if transport is not None else NoTransport()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """What `--json` prints for a failed generation: the report so far and the failure."""
+        return {**self.result.as_dict(), **self.transport.as_dict(), "error": str(self),
+                "failure": self.failure.as_dict()}

@@ -1,1 +1,1 @@
-"""The head's ring client: route session, return legs, keeper (failover), backend, one generation."""
+"""The head's route: the session streams, the client that carries out its state's decisions (probes, plans, new sessions), the backend that replays into a new route, and opening one."""

@@ -12,21 +12,23 @@ import torch
 import trio
 
 from dsd.discovery.planner import remote_blocks
+from dsd.node.head.backend import Capabilities, TargetBackend
+from dsd.protocol import decode_tensor
 from dsd.shard_store import HeadModule, SpanModule
 
-from .errors import RouteError
-from .keeper import RouteKeeper
+from .client import Reopened, RouteClient
+from .record import RouteRecord, ring_hops
 from .session import RouteSession
 
 log = logging.getLogger(__name__)
 
 
-class RouteBackend:
+class RouteBackend(TargetBackend):
     """DSD over a route of block peers: embed on the head, layers on the peers, logits on the head.
 
     Only hidden states cross the wire, and the head computes the target logits
     itself, so verification sees exactly the target's distribution. The backend
-    remembers every token it has placed in the peers' caches; when a `RouteKeeper`
+    remembers every token it has placed in the peers' caches; when its `RouteClient`
     replaces a failed route, it replays them into the new peers (in chunks) and
     re-sends the window, so the engine never notices beyond the delay.
 
@@ -42,7 +44,7 @@ class RouteBackend:
     ones) runs every window through that span with its own KV cache, exactly as a block peer
     does (`SpanModule.step`: commit or keep the last window, then run the window or tree):
     the first layers before the window goes out, the last ones on each result before the
-    logits. The keeper routes only the other layers. A replay after a failover starts again
+    logits. The route covers only the other layers. A replay after a failover starts again
     at position 0 with commit 0, so the local span's cache is rebuilt with the new route's.
 
     Pipelining (dsd): a chain window may be sent *ahead*, before the results of the windows in
@@ -52,15 +54,14 @@ class RouteBackend:
     ahead; `replays` counts failovers so the engine knows they are gone.
     """
 
-    supports_trees = True
-    supports_pipeline = True
+    capabilities = Capabilities(trees=True, pipeline=True)
 
     def __init__(
-        self, head: HeadModule, keeper: RouteKeeper, *, timeout_s: float = 300.0, replay_chunk: int = 128,
+        self, head: HeadModule, client: RouteClient, *, timeout_s: float = 300.0, replay_chunk: int = 128,
         local: SpanModule | None = None,
     ) -> None:
         self.head = head
-        self.keeper = keeper
+        self.client = client
         self.timeout_s = timeout_s
         self.replay_chunk = replay_chunk
         self.local = local
@@ -72,15 +73,14 @@ class RouteBackend:
         if local is not None:
             num_layers = int(local.config.num_hidden_layers)
             routed = remote_blocks((local.start, local.end), num_layers)
-            if keeper.blocks != routed:
+            if client.swarm.blocks != routed:
                 raise ValueError(f"the head serves blocks {local.start}:{local.end}: the route must serve "
-                                 f"{routed[0]}:{routed[1]}, not {keeper.blocks}")
+                                 f"{routed[0]}:{routed[1]}, not {client.swarm.blocks}")
         self._limiter = trio.CapacityLimiter(1)
         self.head_compute_s = 0.0
         self._prefix: list[int] = []  # committed tokens the peers hold before the window in flight
         self._window: list[int] = []  # the window in flight (its nodes in order, for a tree)
         self._parents: list[int] | None = None  # the window's parents when it is a tree
-        self._failure: RouteError | None = None
         self._before_last: np.ndarray | None = None  # result rows of the chunk before the last one sent
         self._ahead: list[list[int]] = []  # chain windows sent after `_window`, before its result came
         self._uncollected = 0  # windows of `_epoch` sent whose results have not been collected
@@ -90,8 +90,19 @@ class RouteBackend:
 
     @property
     def session(self) -> RouteSession:
-        assert self.keeper.session is not None
-        return self.keeper.session
+        assert self.client.session is not None
+        return self.client.session
+
+    def transport(self) -> RouteRecord:
+        """The route's record so far: its peers, the bytes on the wire, the head's compute and the failovers."""
+        client, local = self.client, self.local
+        hops = client.hops
+        mine = None if local is None else (local.start, local.end)
+        return RouteRecord(
+            route=[h.peer_id for h in hops], spans=[(h.start, h.end) for h in hops],
+            hops=ring_hops(hops, client.node.peer_id, mine), bytes_sent=client.bytes_sent,
+            bytes_received=client.bytes_received, head_compute_s=self.head_compute_s, failovers=list(client.events),
+        )
 
     def _rows_out(
         self, tokens: Sequence[int], start: int, commit: int | None,
@@ -116,8 +127,10 @@ class RouteBackend:
         return out[0].to("cpu").to(torch.float32).numpy()
 
     async def _receive(self, epoch: int) -> np.ndarray:
-        """The next result's rows (through the head's own last layers if it serves them)."""
-        start, hidden = await self.session.receive_result(epoch=epoch, timeout=self.timeout_s)
+        """The next result's rows (through the head's own last layers if it serves them); `Reopened` when the route
+        was replaced meanwhile."""
+        msg = await self.client.receive(epoch=epoch, timeout=self.timeout_s)
+        start, hidden = msg.start, decode_tensor(msg.hidden)
         if self.local is None or self._local_first:
             return hidden
         if not self._tail_windows or self._tail_windows[0][0] != start:
@@ -142,7 +155,7 @@ class RouteBackend:
         self.head_compute_s += time.perf_counter() - t0
         if self.local is not None and not self._local_first:
             self._tail_windows.append((start, commit, parents, keep))
-        await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+        await self.client.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
 
     async def submit(
         self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
@@ -166,15 +179,14 @@ class RouteBackend:
         self._ahead = []
         self._tail_windows.clear()  # windows still in flight are stale: their results are skipped
         self._epoch, self._uncollected = epoch, 1
-        self._failure = None
         try:
             if parents is None:
                 await self._send_chunks(tokens, start, commit, epoch, keep)
             else:
                 self._before_last = None
                 await self._send(tokens, start, commit, epoch, parents, keep)
-        except RouteError as exc:
-            self._failure = exc  # handled in collect(): fail over, replay everything, re-send the window
+        except Reopened:  # the route was replaced between two chunks of a long window: replay all of it
+            await self._replay_on_new_route(epoch)
 
     async def _submit_ahead(
         self, tokens: Sequence[int], start: int, commit: int, epoch: int,
@@ -188,12 +200,7 @@ class RouteBackend:
         async with self._route_lock:
             self._ahead.append(list(tokens))
             self._uncollected += 1
-            if self._failure is not None:
-                return  # the route is broken: collect() fails over and drops this window
-            try:
-                await self._send(tokens, start, commit, epoch)
-            except RouteError as exc:
-                self._failure = exc
+            await self._send(tokens, start, commit, epoch)  # nothing goes out on a broken route: collect() recovers
 
     async def _send_chunks(
         self, tokens: Sequence[int], start: int, commit: int, epoch: int, keep: Sequence[int] | None = None
@@ -233,21 +240,25 @@ class RouteBackend:
         self._before_last = None
         await self._send(self._window, start, start, epoch, self._parents)
 
-    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        while True:
-            if self._failure is None:
-                try:
-                    hidden = await self._receive(epoch)
-                    break
-                except RouteError as exc:
-                    self._failure = exc
-            async with self._route_lock:
-                failure, self._failure = self._failure, None
-                await self.keeper.replace(failure)
+    async def _replay_on_new_route(self, epoch: int) -> None:
+        """Replay into the route the client just opened, again if it is replaced during the replay."""
+        async with self._route_lock:
+            while True:
                 try:
                     await self._replay(epoch)  # replay every committed token, the window last
-                except RouteError as exc:
-                    self._failure = exc
+                    return
+                except Reopened:
+                    continue
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        """The target's logits for the window's last `rows` positions; a route that fails meanwhile is replaced
+        and replayed into (RouteGaveOut when none is left)."""
+        while True:
+            try:
+                hidden = await self._receive(epoch)
+                break
+            except Reopened:
+                await self._replay_on_new_route(epoch)
         if len(hidden) < rows and self._before_last is not None:
             hidden = np.concatenate([self._before_last, hidden])
         self._uncollected -= 1

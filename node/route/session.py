@@ -1,16 +1,18 @@
-"""Head-side client of a route: open a session along the ring, send windows, collect results.
+"""The streams of one session along a route: open it along the ring, send windows, receive results.
 
 The head opens one stream to the first peer and sends `OpenSession` with the rest
 of the route; the last peer opens a stream back to the head (the return leg),
 announced by an `Ack` carrying the session id. Errors from any peer flow back to
-the head along the first stream; results arrive on the return leg.
+the head along the first stream; results arrive on the return leg. Timing, blame and
+failover are not here: the head's `RouteState` (`dsd.protocol.route_state`) decides them
+and `client.RouteClient` carries its decisions out.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,7 +22,6 @@ import trio
 from dsd.discovery.framing import FramedStream, close_quietly
 from dsd.discovery.host import P2PNode
 from dsd.discovery.tasks import owned_nursery
-from dsd.node.head.deadline import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
 from dsd.protocol import (
     Ack,
     CloseSession,
@@ -69,19 +70,9 @@ class Traffic:
         return f"Traffic(sent={self.sent}, received={self.received})"
 
 
-LateHook = Callable[["RouteSession", int], Awaitable[None]]
-SlowHook = Callable[["RouteSession"], Awaitable[None]]
-
-
 class RouteSession:
     """One inference session over a chain of block peers: `open` it in a nursery that runs its watcher, `close` it
-    from any task (see `open_route_session` for the plain `async with` form).
-
-    Every window is timed from its sending to its result (`rounds`, `timer`): a window is due after the
-    deadline its measured rounds give (`dsd.node.head.deadline`, with `prior` the planner's estimate
-    before any round). `on_late(session, times missed)` runs when a deadline passes and `on_slow(session)`
-    after a result once the rounds have become slow; either may raise a RouteError to give up the session.
-    """
+    from any task (see `open_route_session` for the plain `async with` form)."""
 
     def __init__(
         self,
@@ -94,10 +85,6 @@ class RouteSession:
         wire: WireFormat | None = None,
         open_timeout_s: float = 60.0,
         session_id: str | None = None,
-        rule: DeadlineRule | None = None,
-        prior: RoundPrior | None = None,
-        on_late: LateHook | None = None,
-        on_slow: SlowHook | None = None,
     ) -> None:
         if not hops:
             raise ValueError("a route needs at least one hop")
@@ -110,10 +97,6 @@ class RouteSession:
         self.open_timeout_s = open_timeout_s
         self.id = session_id or secrets.token_hex(8)
         self.traffic = Traffic()
-        self.rounds = RoundTimes(rule, prior)
-        self.timer = WindowTimer(self.rounds)
-        self.on_late = on_late
-        self.on_slow = on_slow
         self.hidden_size: int | None = None  # width of the hidden states sent (for trial windows)
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
@@ -240,36 +223,29 @@ class RouteSession:
         tree = None if parents is None else tuple(parents)
         path = None if keep is None else tuple(keep)
         self.hidden_size = int(hidden.shape[-1])
-        self.timer.sent((epoch, start), int(hidden.shape[0]), trio.current_time())
         await self.send_message(Forward(self.id, epoch, start, commit, wire, tree, path))
 
-    async def receive_result(self, *, epoch: int = 0, timeout: float = 120.0) -> tuple[int, np.ndarray]:
-        """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden]).
+    async def receive(self, *, until: float) -> Result | None:
+        """The next result on this session (of any epoch), or None at `until` (trio time) if none has come.
+        A stream that ends or a peer's `Error` raises RouteError naming the peer."""
+        with trio.move_on_at(until):
+            while True:
+                msg = await self._next_message()
+                if isinstance(msg, Result):
+                    return msg
+                log.debug("session %s skipped %s", self.id, type(msg).__name__)
+        return None
 
-        `timeout` is the hard limit; before it, `on_late` runs whenever the window in flight passes
-        its deadline (see the class doc), and `on_slow` after the result if the route has become slow.
-        """
+    async def receive_result(self, *, epoch: int = 0, timeout: float = 120.0) -> tuple[int, np.ndarray]:
+        """The next result of `epoch` (older epochs are skipped): (start, hidden [tokens, hidden]); RouteError
+        (code timeout) when none comes within `timeout`."""
         give_up = trio.current_time() + timeout
         while True:
-            due = self.timer.due() if self.on_late is not None else None
-            msg: Message | None = None
-            with trio.move_on_at(give_up if due is None else min(due, give_up)):
-                msg = await self._next_message()
+            msg = await self.receive(until=give_up)
             if msg is None:
-                if trio.current_time() >= give_up:
-                    raise RouteError(f"no result within {timeout:.0f} s", code="timeout")
-                assert self.on_late is not None
-                missed = self.timer.late()
-                log.info("session %s: a window missed its deadline (%d time(s))", self.id, missed)
-                await self.on_late(self, missed)
-                continue
-            if isinstance(msg, Result):
-                self.timer.arrived((msg.epoch, msg.start), trio.current_time())
-                if msg.epoch >= epoch:
-                    if self.on_slow is not None and self.rounds.slow:
-                        await self.on_slow(self)
-                    return msg.start, decode_tensor(msg.hidden)
-            log.debug("session %s skipped %s", self.id, type(msg).__name__)
+                raise RouteError(f"no result within {timeout:.0f} s", code="timeout")
+            if msg.epoch >= epoch:
+                return msg.start, decode_tensor(msg.hidden)
 
     async def forward(
         self,

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from dsd.node.route.generate import ring_hops
+from dsd.node.route.record import ring_hops
 
 from .admission import Busy
 from .openai_wire import (
@@ -122,7 +122,7 @@ async def list_models(request: Request) -> Response:
         peers = [{"peer_id": r.peer_id, "start": r.start, "end": r.end,
                   "rtt_ms": None if view.rtts.get(r.peer_id) is None else round(view.rtts[r.peer_id] * 1000, 3)}
                  for r in sorted(view.records, key=lambda r: (r.start, r.end, r.peer_id))]
-        route = ring_hops(view.plan.hops, state.node.peer_id, head.local_blocks)
+        route = [h.as_dict() for h in ring_hops(view.plan.hops, state.node.peer_id, head.local_blocks)]
         models.append({"id": head.model_id, "created": head.created, "owned_by": "dsd", "dsd": {
             "num_layers": head.num_layers, "context_length": head.context_limit, "mode": head.options.mode,
             "peers": peers, "spans": [[p["start"], p["end"]] for p in peers], "route": route,

@@ -1,18 +1,20 @@
 """The service's Prometheus metrics: one `CollectorRegistry` per service, rendered by the app at `GET /metrics`.
 
 No HTTP thread of prometheus_client: the app serves the text format itself, so metrics cost
-nothing between scrapes. Per-generation statistics come from the head engine's report
+nothing between scrapes. Per-generation statistics come from the head engine's counters
 (`dsd.node.head.report`); gauges of running and queued requests read the admission limiter
 at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from dsd.discovery.survey import SwarmView
+from dsd.node.head.report import GenerationResult
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -56,30 +58,30 @@ class ServiceMetrics:
         waiting = Gauge("dsd_serve_queued_requests", "Requests waiting for a generation slot", registry=r)
         waiting.set_function(queued)
 
-    def observe_generation(self, report: Mapping[str, Any], prompt_tokens: int, ttft_s: float | None) -> None:
-        """Count one generation from its report (`HeadEngine` statistics plus the route's traffic)."""
-        n = int(report.get("new_tokens", 0))
+    def observe_generation(self, result: GenerationResult, failovers: int, prompt_tokens: int,
+                           ttft_s: float | None) -> None:
+        """Count one generation from the engine's counters and the route's failovers."""
+        n = result.new_tokens
         self.tokens.inc(n)
         self.prompt_tokens.inc(prompt_tokens)
-        self.failovers.inc(int(report.get("failovers", 0)))
-        for accepted in report.get("accepted_per_round", []):
+        self.failovers.inc(failovers)
+        for accepted in result.accepted_per_round:
             self.accepted.observe(accepted)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             if n > 1:
-                self.per_token.observe(max(0.0, float(report["elapsed_s"]) - ttft_s) / (n - 1))
-        rounds = int(report.get("rounds", 0))
-        if rounds > 1:
-            self.round_s.observe(max(0.0, float(report["elapsed_s"]) - float(report.get("prefill_s", 0.0))) / (rounds - 1))
-        if report.get("windows_after_prefill"):
-            self.ready_share.observe(float(report.get("ready_share", 0.0)))
+                self.per_token.observe(max(0.0, result.elapsed_s - ttft_s) / (n - 1))
+        if result.rounds > 1:
+            self.round_s.observe(max(0.0, result.elapsed_s - result.prefill_s) / (result.rounds - 1))
+        if result.windows_after_prefill:
+            self.ready_share.observe(result.ready_share)
 
-    def observe_route(self, complete: bool, rtts: Mapping[str, float | None], route: list[str]) -> None:
+    def observe_survey(self, _before: SwarmView | None, view: SwarmView) -> None:
         """The last survey: is there a route, and the RTT to each of its peers."""
-        self.route_complete.set(1 if complete else 0)
+        self.route_complete.set(1 if view.plan is not None else 0)
         self.peer_rtt.clear()
-        for peer in route:
-            rtt = rtts.get(peer)
+        for peer in view.plan.peers if view.plan is not None else []:
+            rtt = view.rtts.get(peer)
             if rtt is not None:
                 self.peer_rtt.labels(peer=peer).set(rtt)
 

@@ -1,11 +1,12 @@
 """Running one admitted request: wait for a slot, generate over the swarm streaming text, report, record.
 
 The service's state (`ServiceState`) holds what every request shares: the loaded head, the
-head's libp2p node, the swarm view, the admission limiter, the metrics and the last requests'
-records (the swarm page shows them). A generation starts on the last surveyed route; if that
-route fails before the first token, the swarm is surveyed again and the generation starts
-over once (nothing was shown yet). Text is handed out by `TextStreamer`: complete characters
-only and never the start of a stop string; the final text leaves the stop string out.
+head's libp2p node, the process's one swarm view (with its blacklist: a peer one request blamed
+is avoided by the next), the admission limiter, the metrics and the last requests' records (the
+swarm page shows them). A generation starts on the last surveyed route; if that route fails
+before the first token, the swarm is surveyed again and the generation starts over once (nothing
+was shown yet). Text is handed out by `TextStreamer`: complete characters only and never the
+start of a stop string; the final text leaves the stop string out.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from typing import Any
 import trio
 
 from dsd.discovery.host import P2PNode
-from dsd.discovery.planner import NoRouteError
+from dsd.discovery.swarm import SwarmWatch
+from dsd.node.head.report import GenerationFailed, GenerationReport
 from dsd.node.head.streaming import TextStreamer
 from dsd.node.head.verify import cut_at_stop
-from dsd.node.peer.head import GenerationFailed, generate_on
+from dsd.node.peer.generation import RouteTarget, generate_over_swarm
 from dsd.node.route.legs import ReturnLegs
+from dsd.node.route.record import RouteRecord
 
 from .admission import Admission, Slot
-from .head import Plan, ServedHead
 from .metrics import ServiceMetrics
+from .model import Plan, ServedModel
 from .openai_wire import CompletionRequest, WireError, usage_body
-from .swarm import SwarmWatch
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class RequestRecord:
 class ServiceState:
     """What every request of one service shares."""
 
-    head: ServedHead
+    head: ServedModel
     node: P2PNode
     legs: ReturnLegs
     swarm: SwarmWatch
@@ -110,50 +112,62 @@ class Finished:
     finish_reason: str
     usage: dict[str, int]
     dsd: dict[str, Any]
-    report: dict[str, Any]
+    report: GenerationReport
 
 
-def no_route_error(exc: NoRouteError) -> WireError:
+def no_route_error(why: object) -> WireError:
     """503 naming the blocks no live peer serves (the planner's message says which and why)."""
-    return WireError(503, f"no complete route through the swarm: {exc}", type="server_error", code="no_route")
+    return WireError(503, f"no complete route through the swarm: {why}", type="server_error", code="no_route")
 
 
-def dsd_stats(report: dict[str, Any], job: Job) -> dict[str, Any]:
+def route_record(report: GenerationReport) -> RouteRecord:
+    """The route's record of a service generation (the service generates over routes only)."""
+    record = report.transport
+    assert isinstance(record, RouteRecord), f"a service generation reports a route, not {type(record).__name__}"
+    return record
+
+
+def dsd_stats(report: GenerationReport, job: Job) -> dict[str, Any]:
     """The `dsd` extension of a response: how the speculative decoding went and over which route."""
+    r, route = report.result, route_record(report)
     return {
-        "mode": report.get("mode"),
-        "rounds": report.get("rounds", 0),
-        "mean_accepted": report.get("mean_accepted", 0.0),
-        "acceptance_rate": report.get("acceptance_rate", 0.0),
-        "tokens_per_trip": report.get("tokens_per_trip", 0.0),
-        "ready_share": report.get("ready_share", 0.0),
-        "route": report.get("route", []),
-        "spans": report.get("spans", []),
-        "hops": report.get("hops", []),
-        "failovers": report.get("failovers", 0),
-        "elapsed_s": report.get("elapsed_s", 0.0),
-        "tokens_per_s": report.get("tokens_per_s", 0.0),
+        "mode": r.mode,
+        "rounds": r.rounds,
+        "mean_accepted": round(r.mean_accepted, 4),
+        "acceptance_rate": round(r.acceptance_rate, 4),
+        "tokens_per_trip": round(r.tokens_per_trip, 4),
+        "ready_share": round(r.ready_share, 4),
+        "route": list(route.route),
+        "spans": [list(s) for s in route.spans],
+        "hops": [h.as_dict() for h in route.hops],
+        "failovers": len(route.failovers),
+        "elapsed_s": round(r.elapsed_s, 4),
+        "tokens_per_s": round(r.tokens_per_s, 4),
         "queued_s": round(job.slot.queued_s, 4),
         "ttft_s": None if job.ttft_s is None else round(job.ttft_s, 4),
     }
 
 
-async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int]], None]) -> dict[str, Any]:
+async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int]], None]) -> GenerationReport:
     """Generate over the last surveyed route; survey again and start over once if it fails before the first token."""
     head, cfg = state.head, job.plan.cfg
     hops = state.swarm.hops
     for attempt in (1, 2):
         try:
-            return await generate_on(state.node, state.legs, head.setup_for(cfg), job.plan.prompt, cfg, hops=hops,
-                                     tokenizer=head.tokenizer, on_tokens=on_tokens, local_span=head.local_span)
+            return await generate_over_swarm(state.node, state.legs, state.swarm, head.setup_for(cfg), job.plan.prompt,
+                                             cfg, target=RouteTarget(hops=hops, local=head.local_span),
+                                             tokenizer=head.tokenizer, on_tokens=on_tokens)
         except GenerationFailed as exc:
-            if isinstance(exc.cause, NoRouteError):  # the keeper failed over and found no route: the swarm changed
+            failure = exc.failure
+            log.warning("request %s: generation failed after %d tokens (%s): %s; blamed %s", job.rid, len(exc.tokens),
+                        failure.verdict, exc, [p[-8:] for p in failure.blamed] or "nobody")
+            if failure.verdict == "no_route":  # no route, or none left after a failover: the swarm changed
                 state.metrics.failures.labels(cause="no_route").inc()
                 with contextlib.suppress(trio.TooSlowError, OSError):
                     await state.swarm.refresh()  # so /v1/models and the page stop offering the broken route
-                raise no_route_error(exc.cause) from None
+                raise no_route_error(exc) from None
             if attempt == 1 and job.first_token_at is None:
-                log.info("request %s: the route failed before the first token (%s); surveying again", job.rid, exc)
+                log.info("request %s: the route failed before the first token; surveying again", job.rid)
                 view = await state.swarm.refresh()
                 if view.plan is None:
                     state.metrics.failures.labels(cause="no_route").inc()
@@ -162,8 +176,8 @@ async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int
                 continue
             state.metrics.failures.labels(cause="route_failed").inc()
             state.swarm.poke()
-            raise WireError(502, f"generation failed after {len(exc.tokens)} tokens: {exc}", type="server_error",
-                            code="route_failed") from None
+            raise WireError(502, f"generation failed after {len(exc.tokens)} tokens ({failure.verdict}): {exc}",
+                            type="server_error", code="route_failed") from None
     raise AssertionError("unreachable")
 
 
@@ -182,9 +196,9 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
             emit(streamer.push(tokens) if streamer is not None else "")
 
         report = await _generate(state, job, on_tokens)
-    if report.get("failovers"):
+    if route_record(report).failovers:
         state.swarm.poke()
-    tokens = [int(t) for t in report["tokens"]]
+    tokens = list(report.tokens)
     text, stopped = cut_at_stop(head.decode(tokens), plan.cfg.stop_strings)
     ended = stopped or bool(tokens and tokens[-1] in plan.cfg.eos_ids)
     finish = "stop" if ended or len(tokens) < plan.max_tokens else "length"
@@ -197,23 +211,24 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
 def record(state: ServiceState, job: Job, status: int, finished: Finished | None, error: str | None) -> RequestRecord:
     """Count a finished request in the metrics, keep its record for the page and log it."""
     now = trio.current_time()
-    report = finished.report if finished is not None else {}
-    n = int(report.get("new_tokens", 0))
-    trips = float(report.get("tokens_per_trip", 0.0))
+    result = finished.report.result if finished is not None else None
+    route = route_record(finished.report) if finished is not None else RouteRecord()
+    n = result.new_tokens if result is not None else 0
+    trips = round(result.tokens_per_trip, 4) if result is not None else 0.0
     rec = RequestRecord(
         id=job.rid, endpoint=job.endpoint, status=status, arrived_unix=round(time.time() - (now - job.arrived), 3),
         elapsed_s=round(now - job.arrived, 4), queued_s=round(job.slot.queued_s, 4),
         ttft_s=None if job.ttft_s is None else round(job.ttft_s, 4), prompt_tokens=len(job.plan.prompt),
-        completion_tokens=n, tokens_per_s=float(report.get("tokens_per_s", 0.0)),
-        mean_accepted=float(report.get("mean_accepted", 0.0)), tokens_per_trip=trips,
-        speedup_est=trips if report.get("rounds") else None, route=list(report.get("route", [])),
-        failovers=int(report.get("failovers", 0)), mode=str(report.get("mode", state.head.options.mode)),
+        completion_tokens=n, tokens_per_s=round(result.tokens_per_s, 4) if result is not None else 0.0,
+        mean_accepted=round(result.mean_accepted, 4) if result is not None else 0.0, tokens_per_trip=trips,
+        speedup_est=trips if result is not None and result.rounds else None, route=list(route.route),
+        failovers=len(route.failovers), mode=result.mode if result is not None else state.head.options.mode,
         finish_reason=finished.finish_reason if finished is not None else None, error=error,
     )
     state.records.append(rec)
     state.metrics.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
-    if finished is not None:
-        state.metrics.observe_generation(report, len(job.plan.prompt), job.ttft_s)
+    if result is not None:
+        state.metrics.observe_generation(result, len(route.failovers), len(job.plan.prompt), job.ttft_s)
     if status == 200:
         route = ", ".join(p[-8:] for p in rec.route)
         log.info("%s %s 200 in %.2f s: %d+%d tokens, %.1f tok/s, ttft %.3f s, queued %.2f s, mean accepted %.2f, "

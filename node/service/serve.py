@@ -23,6 +23,7 @@ import trio
 from starlette.routing import BaseRoute
 
 from dsd.discovery.tasks import owned_nursery
+from dsd.node.peer.generation import swarm_watch
 from dsd.node.peer.host import head_node
 from dsd.node.peer.http import serve_http
 from dsd.node.peer.shaper import LinkProfile
@@ -37,10 +38,9 @@ from .defaults import (
     DEFAULT_QUEUE,
     DEFAULT_REFRESH_S,
 )
-from .head import HeadOptions, ServedHead
 from .metrics import ServiceMetrics
+from .model import HeadOptions, ServedModel
 from .runner import ServiceState
-from .swarm import SwarmWatch
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ async def run_service(
     `task_status.started` gets {url, model, peer_id, pid, state} once the server listens (`url`
     carries the real port when `port` is 0); `extra_routes(state)` adds routes to the app.
     """
-    head = await trio.to_thread.run_sync(ServedHead.load, cfg.head)
+    head = await trio.to_thread.run_sync(ServedModel.load, cfg.head)
     log.info("loaded the head of %s (%d layers, context %d, draft %s, mode %s) on %s %s%s", head.model_id,
              head.num_layers, head.context_limit, cfg.head.draft, cfg.head.mode, head.device, head.dtype,
              "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
@@ -97,8 +97,8 @@ async def run_service(
         async with owned_nursery() as nursery:
             admission = Admission(cfg.max_concurrent, cfg.queue)
             metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting)
-            swarm = SwarmWatch(node, head.model_id, head.num_layers, metrics, refresh_s=cfg.refresh_s,
-                               blocks=head.routed_blocks)
+            swarm = swarm_watch(node, head.setup, head.local_blocks, refresh_s=cfg.refresh_s,
+                                on_survey=metrics.observe_survey)
             await nursery.start(swarm.run)
             state = ServiceState(head=head, node=node, legs=legs, swarm=swarm, admission=admission, metrics=metrics,
                                  api_key=cfg.api_key)

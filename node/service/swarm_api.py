@@ -20,7 +20,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from dsd.node.head.setup import parse_draft
-from dsd.node.route.generate import ring_hops
+from dsd.node.route.record import ring_hops
 
 from .runner import RequestRecord, ServiceState
 
@@ -82,7 +82,7 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
     route = None
     if watch.view is not None and watch.view.plan is not None:
         hops = ring_hops(watch.view.plan.hops, state.node.peer_id, head.local_blocks)
-        route = {"hops": [{**h, "short_id": short_id(h["peer_id"])} for h in hops],
+        route = {"hops": [{**h.as_dict(), "short_id": short_id(h.peer_id)} for h in hops],
                  "est_round_ms": round(watch.view.plan.est_round_s * 1000, 3)}
     coverage = list(report["coverage"])
     local = None

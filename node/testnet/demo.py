@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import trio
 
-from dsd.node.head.engine import GenerationConfig
+from dsd.node.head.config import GenerationConfig
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import eos_ids, load_head_setup
 from dsd.node.head.verify import cut_at_stop
+from dsd.node.peer.generation import generate_over_swarm, swarm_watch
 from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
-from dsd.node.route.generate import generate_once
 from dsd.shard_store import Store
 from dsd.shard_store.devices import resolve_placement
 
@@ -109,21 +109,22 @@ def run_demo(spec: DemoSpec, say: Callable[[str], None] = print) -> DemoResult:
 
         async def main() -> None:
             async with head_node([state.bootstrap], link) as (node, legs):
+                swarm = swarm_watch(node, setup)
                 for mode in spec.modes:
                     cfg = GenerationConfig(mode=mode, max_new_tokens=spec.max_new_tokens, params=params, eos_ids=eos,
                                            stop_strings=HUMANEVAL_STOPS, branches=spec.branches)
                     mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
                     say(f"-- {mode} ...")
                     started = time.perf_counter()
-                    report = await generate_once(node, legs, mode_setup, prompt, cfg, tokenizer=tokenizer)
-                    report["text"] = tokenizer.decode(report["tokens"], skip_special_tokens=True)
-                    report["wall_s"] = round(time.perf_counter() - started, 3)
-                    report["completion"] = cut_at_stop(report["text"], HUMANEVAL_STOPS)[0]
-                    reports[mode] = report
-                    say(report["completion"].rstrip())
-                    say(f"   [{mode}] {report['new_tokens']} tokens in {report['elapsed_s']:.1f} s = "
-                        f"{report['tokens_per_s']:.2f} tok/s, {report['rounds']} round trips, "
-                        f"mean accepted {report['mean_accepted']:.2f}")
+                    report = await generate_over_swarm(node, legs, swarm, mode_setup, prompt, cfg, tokenizer=tokenizer)
+                    text = tokenizer.decode(report.tokens, skip_special_tokens=True)
+                    completion = cut_at_stop(text, HUMANEVAL_STOPS)[0]
+                    reports[mode] = {**report.as_dict(), "text": text, "completion": completion,
+                                     "wall_s": round(time.perf_counter() - started, 3)}
+                    r = report.result
+                    say(completion.rstrip())
+                    say(f"   [{mode}] {r.new_tokens} tokens in {r.elapsed_s:.1f} s = {r.tokens_per_s:.2f} tok/s, "
+                        f"{r.rounds} round trips, mean accepted {r.mean_accepted:.2f}")
 
         trio.run(main)
     finally:

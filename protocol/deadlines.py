@@ -14,7 +14,7 @@ planner's estimate `fixed_s + n · per_token_s` (links from measured RTTs, compu
 announced throughputs), so the first window after a route (re)opens — the prompt, or a replay of
 the committed tokens — is given its compute. Every deadline that passes without the result
 doubles that window's allowance (`WindowTimer.late`); what the head does meanwhile is the
-backend's business (the route probes its peers: `dsd.node.route.deadline`).
+backend's business (the route: `dsd.protocol.route_state`).
 
 A round is slow when it took at least `slow_factor` times the prior's estimate and at least
 `slow_floor_s` more; `slow_rounds` slow rounds in a row make the route slow. After a slow route

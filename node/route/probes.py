@@ -1,4 +1,5 @@
-"""Finding the hop at fault when a route goes quiet or slow (the rule itself: `dsd.node.head.deadline`).
+"""The probes that find the hop at fault when a route goes quiet or slow (when to run them, and what their
+answers mean: `dsd.protocol.route_state`).
 
 With the ring the head only sees that a result did not come back, or came back late. Two probes
 find the hop:
@@ -23,28 +24,13 @@ import trio
 from dsd.discovery.host import P2PNode
 from dsd.discovery.ping import measure_rtt
 from dsd.protocol import Hop, WireFormat
+from dsd.protocol.route_state import short
 
 from .errors import RouteError
 from .legs import ReturnLegs
 from .session import RouteSession
 
 log = logging.getLogger(__name__)
-
-
-class SilentHopError(RouteError):
-    """The route failed because of these hops (found by probing): they did not answer, or were too slow.
-
-    `unreachable` is True when they did not even answer a ping (their connections are dropped).
-    """
-
-    def __init__(self, message: str, peers: Sequence[str], *, code: str = "silent", unreachable: bool = False) -> None:
-        super().__init__(message, peer=peers[0] if peers else None, code=code)
-        self.peers = list(peers)
-        self.unreachable = unreachable
-
-
-def short(peer: str) -> str:
-    return peer[-8:]
 
 
 async def ping_hops(node: P2PNode, hops: Sequence[Hop], timeouts: Mapping[str, float]) -> list[str]:
@@ -106,21 +92,3 @@ async def time_prefixes(
     log.info("trial windows through the route's prefixes: %s",
              ", ".join("-" if t is None else f"{t * 1000:.0f} ms" for t in times))
     return times
-
-
-def first_silent(times: Sequence[float | None]) -> int | None:
-    """Index of the hop that ends the first prefix without a result (None when every prefix answered)."""
-    return next((i for i, t in enumerate(times) if t is None), None)
-
-
-def slowest_hop(times: Sequence[float | None], min_excess_s: float) -> int | None:
-    """Index of the hop whose prefix adds the most time over the one before it, if that is at least
-    `min_excess_s` more than the median increment of the others (None otherwise, or if a prefix failed)."""
-    if not times or any(t is None for t in times):
-        return None
-    ts = [float(t) for t in times if t is not None]
-    increments = [ts[0]] + [b - a for a, b in zip(ts, ts[1:], strict=False)]
-    worst = max(range(len(increments)), key=increments.__getitem__)
-    others = sorted(x for i, x in enumerate(increments) if i != worst)
-    baseline = others[len(others) // 2] if others else 0.0
-    return worst if increments[worst] - baseline >= min_excess_s else None

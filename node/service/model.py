@@ -1,4 +1,4 @@
-"""The head the service keeps loaded: the target's ends, its tokenizer, the draft model, end-of-sequence ids.
+"""The model the service keeps loaded as its head: the target's ends, its tokenizer, the draft model, end-of-sequence ids.
 
 Loaded once at start-up; every request gets its own drafter (its sampling settings, seed and
 draft cache, the draft model's weights shared: `request_drafter`) and its own generation
@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsd.discovery.planner import remote_blocks
 from dsd.node.head.config import GenerationConfig
-from dsd.node.head.deadline import DeadlineRule
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import (
     HeadSetup,
@@ -28,8 +26,9 @@ from dsd.node.head.setup import (
     load_head_setup,
     request_drafter,
 )
-from dsd.node.peer.head import load_head_span
+from dsd.node.peer.generation import load_head_span
 from dsd.node.server.limits import ServerLimits
+from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store import SpanModule, Store
 from dsd.shard_store.devices import Placement
 from dsd.shard_store.dtypes import dtype_name
@@ -69,7 +68,7 @@ class Plan:
     max_tokens: int
 
 
-class ServedHead:
+class ServedModel:
     """The head, the tokenizer and the drafter, loaded once and shared by every request."""
 
     def __init__(self, setup: HeadSetup, tokenizer: Any, store: Store, options: HeadOptions,
@@ -85,14 +84,13 @@ class ServedHead:
         limit = int(positions) if isinstance(positions, int) and positions > 0 else ServerLimits().max_len
         self.context_limit = options.max_context or min(limit, ServerLimits().max_len)
         self.created = int(time.time())
-        # The head's own layers (`--blocks`), and those every route must cover: all of them, or the rest.
+        # The head's own layers (`--blocks`): every route covers the others.
         self.local_blocks = None if local_span is None else (local_span.start, local_span.end)
-        self.routed_blocks = None if self.local_blocks is None else remote_blocks(self.local_blocks, self.num_layers)
         self.device = str(setup.head.device)
         self.dtype = dtype_name(setup.head.dtype)
 
     @classmethod
-    def load(cls, options: HeadOptions) -> ServedHead:
+    def load(cls, options: HeadOptions) -> ServedModel:
         """Load the target's ends, tokenizer, draft and `--blocks` span onto the device (slow: run it in a worker
         thread). ValueError or StoreError saying what is wrong."""
         if options.tree_nodes and options.mode != "ar" and "ngram" in options.draft.split("+"):
@@ -153,9 +151,8 @@ class ServedHead:
         return Plan(prompt, cfg, max_tokens)
 
     def _slack(self) -> int:
-        """KV rows a session needs beyond prompt + completion: the widest window (see `generate_once`)."""
-        probe = GenerationConfig(gamma_max=self.options.gamma_max, tree_nodes=self.options.tree_nodes)
-        return probe.max_window_nodes + 2
+        """KV rows a session needs beyond prompt + completion: the widest window (`GenerationConfig.session_slack`)."""
+        return GenerationConfig(gamma_max=self.options.gamma_max, tree_nodes=self.options.tree_nodes).session_slack
 
     def setup_for(self, cfg: GenerationConfig) -> HeadSetup:
         """The head setup of one generation: a drafter of its own with the request's sampling settings."""

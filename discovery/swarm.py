@@ -1,0 +1,162 @@
+"""A head process's one view of the swarm: the last survey (records, RTTs, the planned route or what is
+missing), the peers it has blamed (`Blacklist`), and plans for its routes.
+
+One `SwarmWatch` per head process: `dsd-node serve` keeps it refreshed in the background every
+`refresh_s` and on demand (a request that finds no route, a route that failed), so requests start
+on the last planned route without paying for a survey, and its swarm page reads the same `view`
+and `last_alive` (the peers seen answering, so one that vanished is shown dead for a while). Every
+route of the process plans its failovers here (`plan`), avoiding the process's blacklist: a peer
+blamed by one request is avoided by the next. Refreshes are coalesced: a caller that asks while one
+runs gets its result. A head that serves layers itself surveys routes over the others only (`blocks`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from dsd.protocol import Hop
+
+from .host import P2PNode
+from .planner import NoRouteError
+from .records import PeerRecord
+from .survey import SwarmView, survey
+
+log = logging.getLogger(__name__)
+
+DEAD_KEPT_S = 600.0  # a peer that stopped answering is remembered (shown dead) this long
+
+
+@dataclass
+class Blacklist:
+    """Peers to avoid, each until its backoff runs out; the backoff doubles on every new failure."""
+
+    base_s: float = 30.0
+    max_s: float = 600.0
+    _until: dict[str, float] = field(default_factory=dict)
+    _strikes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, peer: str, now: float | None = None) -> float:
+        """Blacklist `peer`; returns how long for."""
+        now = time.monotonic() if now is None else now
+        strikes = self._strikes.get(peer, 0)
+        self._strikes[peer] = strikes + 1
+        backoff = min(self.max_s, self.base_s * 2**strikes)
+        self._until[peer] = now + backoff
+        return backoff
+
+    def active(self, now: float | None = None) -> set[str]:
+        now = time.monotonic() if now is None else now
+        return {p for p, until in self._until.items() if until > now}
+
+
+class SwarmWatch:
+    """The last `SwarmView` of `model` and when it was taken."""
+
+    def __init__(self, node: P2PNode, model: str, num_layers: int, *, refresh_s: float = 15.0,
+                 survey_timeout_s: float = 30.0, blocks: tuple[int, int] | None = None,
+                 blacklist: Blacklist | None = None,
+                 on_survey: Callable[[SwarmView | None, SwarmView], None] | None = None) -> None:
+        self.node = node
+        self.model = model
+        self.num_layers = num_layers
+        self.blocks = blocks  # the layers a route must cover (None: every layer)
+        self.blacklist = blacklist or Blacklist()
+        self.on_survey = on_survey  # (the view before, the new one) after each refresh: the service's metrics
+        self.refresh_s = refresh_s
+        self.survey_timeout_s = survey_timeout_s
+        self.view: SwarmView | None = None
+        self.surveyed_at = 0.0  # trio clock
+        self.surveyed_unix = 0.0
+        self.last_alive: dict[str, tuple[PeerRecord, float]] = {}  # peer id -> its last live record, unix time
+        self._lock = trio.Lock()
+        self._wake = trio.Event()
+
+    @property
+    def hops(self) -> list[Hop] | None:
+        """The planned route of the last survey, or None."""
+        if self.view is None or self.view.plan is None:
+            return None
+        return list(self.view.plan.protocol_hops())
+
+    @property
+    def missing(self) -> NoRouteError:
+        """Why there is no route: the last survey's error (every block is missing before the first)."""
+        if self.view is not None and self.view.error is not None:
+            return self.view.error
+        first, last = self.blocks or (0, self.num_layers)
+        return NoRouteError(list(range(first, last)), self.num_layers)
+
+    async def refresh(self, max_age_s: float = 0.0) -> SwarmView:
+        """A view at most `max_age_s` old: the last one, or a new survey (one at a time)."""
+        asked = trio.current_time()
+        async with self._lock:
+            if self.view is not None and self.surveyed_at >= asked - max_age_s:
+                return self.view
+            with trio.fail_after(self.survey_timeout_s):
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks)
+            before = self.view
+            self.view, self.surveyed_at, self.surveyed_unix = view, trio.current_time(), time.time()
+            self._remember(view, self.surveyed_unix)
+            self._note(before, view)
+            return view
+
+    async def plan(self, avoid: frozenset[str] = frozenset(), *, wait_s: float = 0.0) -> SwarmView:
+        """A fresh survey planned without the blacklisted peers and `avoid` (a failover's view: the shared `view`
+        is left as it is; the live peers it saw are remembered). With `wait_s`, a survey that finds blocks
+        missing is repeated for up to that long, saying what it waits for (records can lag: a peer just
+        started, or the node that held its record left); the last view says what is still missing."""
+        banned = self.blacklist.active() | avoid
+        give_up = trio.current_time() + wait_s
+        while True:
+            with trio.fail_after(self.survey_timeout_s):
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, blacklist=banned)
+            self._remember(view, time.time())
+            left = give_up - trio.current_time()
+            if view.plan is not None or left <= 0:
+                return view
+            log.info("%s; waiting up to %.0f s more for the swarm's records", view.error, left)
+            await trio.sleep(min(1.0, left))
+
+    def _remember(self, view: SwarmView, now: float) -> None:
+        """Keep the records of the peers that answered the probes (seen at `now`, unix time); forget the long dead."""
+        for rec in view.records:
+            if view.rtts.get(rec.peer_id) is not None:
+                self.last_alive[rec.peer_id] = (rec, now)
+        for peer, (_, seen) in list(self.last_alive.items()):
+            if seen < now - DEAD_KEPT_S:
+                del self.last_alive[peer]
+
+    def _note(self, before: SwarmView | None, view: SwarmView) -> None:
+        if self.on_survey is not None:
+            self.on_survey(before, view)
+        route = view.plan.peers if view.plan is not None else []
+        old = before.plan.peers if before is not None and before.plan is not None else None
+        if view.plan is None and (before is None or before.plan is not None):
+            log.warning("no complete route for %s: %s", self.model, view.error)
+        elif view.plan is not None and route != old:
+            spans = ", ".join(f"{h.peer_id[-8:]} {h.start}:{h.end}" for h in view.plan.hops)
+            log.info("route for %s: %s (est. %.1f ms per round)", self.model, spans, view.plan.est_round_s * 1000)
+
+    def poke(self) -> None:
+        """Survey again soon, in the background (a route failed over: the view is stale)."""
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Survey now (a failure is logged: requests will retry), then every `refresh_s` or when poked."""
+        started = False
+        while True:
+            try:
+                await self.refresh(max_age_s=1.0)
+            except Exception as exc:  # the DHT or a probe failed, or the survey timed out: try again later
+                log.warning("swarm survey failed: %r", exc)
+            if not started:
+                task_status.started()
+                started = True
+            with trio.move_on_after(self.refresh_s):
+                await self._wake.wait()
+            self._wake = trio.Event()

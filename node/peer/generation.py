@@ -1,0 +1,154 @@
+"""Generating as a head: from a head node already in the swarm (`generate_over_swarm`: `dsd-node serve`, the demo,
+the benchmarks) or from a fresh head process that joins, generates and leaves (`generate_from_fresh_head`:
+`dsd-node generate`).
+
+Here the target is opened — a route of block peers (`RouteTarget`) or federated workers (`FederatedTarget`) —
+and handed to `dsd.node.head.generation.generate`, the one function that runs a generation. Every failure
+comes out as one `GenerationFailed` (never an exception group) carrying the tokens made so far and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsd.discovery.host import P2PNode
+from dsd.discovery.planner import remote_blocks
+from dsd.discovery.swarm import SwarmWatch
+from dsd.node.federated.open import open_federated
+from dsd.node.head.backend import BackendError, TargetBackend
+from dsd.node.head.config import GenerationConfig
+from dsd.node.head.generation import generate
+from dsd.node.head.report import GenerationFailed, GenerationReport, GenerationResult
+from dsd.node.head.setup import HeadSetup
+from dsd.node.route.legs import ReturnLegs
+from dsd.node.route.open import open_route
+from dsd.protocol import Hop
+from dsd.shard_store import SpanModule, Store, StoreError
+
+from .config import parse_blocks
+from .host import head_node
+from .shaper import LinkProfile
+
+
+@dataclass(frozen=True)
+class RouteTarget:
+    """The target on a route of block peers: `hops` (else planned from the swarm), the head serving `local` itself."""
+
+    hops: Sequence[Hop] | None = None
+    local: SpanModule | None = None
+
+    @property
+    def local_blocks(self) -> tuple[int, int] | None:
+        return None if self.local is None else (self.local.start, self.local.end)
+
+
+@dataclass(frozen=True)
+class FederatedTarget:
+    """The target as federated workers: every live one of the vocabulary, or those `peer_ids` names."""
+
+    peer_ids: Sequence[str] | None = None
+    top_k: int | None = 64
+    weights: Sequence[float] | None = None
+    method: str = "residual"
+    window_timeout_s: float = 60.0
+
+
+Target = RouteTarget | FederatedTarget
+
+
+def load_head_span(
+    store: Store, blocks: str, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> SpanModule:
+    """The layers `generate --blocks A:B` names, from the head's own store (on `device` in `dtype`, like the
+    head): the model's first layers (0:B) or its last ones (A:L), never every layer; ValueError naming the
+    problem otherwise."""
+    if blocks == "auto":
+        raise ValueError("--blocks of a head takes START:END (the first or the last layers of the model), not auto")
+    a, b = parse_blocks(blocks, store.num_layers)
+    remote_blocks((a, b), store.num_layers)
+    try:
+        return store.load_span(a, b, device=device, dtype=dtype)
+    except StoreError as exc:
+        raise ValueError(f"--blocks {blocks}: the head serves those layers from its --store, which lacks them: {exc}") from exc
+
+
+def swarm_watch(node: P2PNode, setup: HeadSetup, local_blocks: tuple[int, int] | None = None, **options: Any) -> SwarmWatch:
+    """The head process's view of the swarm for `setup`'s model: routes over every layer, or over those the head
+    does not serve itself (`local_blocks`)."""
+    blocks = None if local_blocks is None else remote_blocks(local_blocks, setup.num_layers)
+    return SwarmWatch(node, setup.model_id, setup.num_layers, blocks=blocks, **options)
+
+
+@asynccontextmanager
+async def open_target(
+    node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch | None, setup: HeadSetup, cfg: GenerationConfig,
+    prompt_len: int, target: Target,
+) -> AsyncIterator[TargetBackend]:
+    """The backend of `target`, open for a generation of `cfg` after a prompt of `prompt_len` tokens."""
+    max_len = cfg.session_len(prompt_len)
+    if isinstance(target, FederatedTarget):
+        async with open_federated(
+            node, vocab_size=setup.vocab_size, peer_ids=target.peer_ids, params=cfg.params, max_len=max_len,
+            top_k=target.top_k, weights=target.weights, method=target.method,
+            window_timeout_s=target.window_timeout_s, deadline=cfg.deadline,
+        ) as backend:
+            yield backend
+        return
+    assert swarm is not None and setup.head is not None, "a route needs the swarm's view and the target's ends"
+    async with open_route(node, legs, swarm, setup.head, max_len=max_len, hops=target.hops, local=target.local,
+                          timeout_s=cfg.result_timeout_s, rule=cfg.deadline) as backend:
+        yield backend
+
+
+async def generate_over_swarm(
+    node: P2PNode,
+    legs: ReturnLegs,
+    swarm: SwarmWatch | None,
+    setup: HeadSetup,
+    prompt: Sequence[int],
+    cfg: GenerationConfig,
+    *,
+    target: Target | None = None,
+    tokenizer: Any = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationReport:
+    """Generate once from a head node already in the swarm over `target` (default: a route the swarm plans);
+    `swarm` is the process's view (None only for federated workers). Raises `GenerationFailed` when there is
+    no route or no worker, or the target gives out midway."""
+    try:
+        async with open_target(node, legs, swarm, setup, cfg, len(prompt), target or RouteTarget()) as backend:
+            return await generate(backend, setup.drafter, cfg, prompt, tokenizer=tokenizer, on_tokens=on_tokens)
+    except BackendError as exc:  # the target could not be opened
+        raise GenerationFailed(exc.failure, GenerationResult(cfg.mode)) from exc
+
+
+async def generate_from_fresh_head(
+    bootstrap: list[str],
+    link: LinkProfile,
+    setup: HeadSetup,
+    prompt: Sequence[int],
+    cfg: GenerationConfig,
+    *,
+    seed: int | None = None,
+    target: Target | None = None,
+    tokenizer: Any = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationReport:
+    """Join the swarm as a new head, generate once (see `generate_over_swarm`), leave. `GenerationFailed` is
+    raised outside the node's nursery."""
+    failure: GenerationFailed | None = None
+    target = target or RouteTarget()
+    async with head_node(bootstrap, link, seed=seed) as (node, legs):
+        local = target.local_blocks if isinstance(target, RouteTarget) else None
+        swarm = None if isinstance(target, FederatedTarget) else swarm_watch(node, setup, local)
+        try:
+            return await generate_over_swarm(node, legs, swarm, setup, prompt, cfg, target=target,
+                                             tokenizer=tokenizer, on_tokens=on_tokens)
+        except GenerationFailed as exc:
+            failure = exc
+    raise failure

@@ -1,0 +1,58 @@
+"""What a route did during a generation: its peers, the bytes on the wire, the head's own compute, the failovers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsd.protocol.route_state import FailoverEvent
+
+
+@dataclass(frozen=True)
+class RingHop:
+    """One hop of the ring as a report shows it; `local` is the head's own span."""
+
+    peer_id: str
+    start: int
+    end: int
+    local: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "start": self.start, "end": self.end, "local": self.local}
+
+
+def ring_hops(hops: Iterable[Any], head_peer_id: str, local: tuple[int, int] | None) -> list[RingHop]:
+    """Every hop of the ring in order: the route's hops (anything with peer_id, start and end) and the head's own
+    span `local` (the model's first layers or its last), if any."""
+    out = [RingHop(h.peer_id, h.start, h.end) for h in hops]
+    if local is not None:
+        out.insert(0 if local[0] == 0 else len(out), RingHop(head_peer_id, local[0], local[1], True))
+    return out
+
+
+@dataclass(frozen=True)
+class RouteRecord:
+    """The transport record of a generation over a route (the last route, when it failed over)."""
+
+    route: list[str] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    hops: list[RingHop] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    head_compute_s: float = 0.0
+    failovers: list[FailoverEvent] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "route": list(self.route),
+            "spans": [list(s) for s in self.spans],
+            "hops": [h.as_dict() for h in self.hops],
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "head_compute_s": round(self.head_compute_s, 4),
+            "failovers": len(self.failovers),
+            "failover_s": [round(e.seconds, 3) for e in self.failovers],
+            "failover_blamed": [e.blamed for e in self.failovers],
+            "failover_events": [e.as_dict() for e in self.failovers],
+        }
