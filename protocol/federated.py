@@ -9,20 +9,9 @@ import numpy as np
 
 from .checks import check_bytes, check_float, check_int, check_opt_int
 from .errors import BAD_TENSOR, LIMIT, ProtocolError
+from .fields import _check_tree, _epoch, _Field, _opt_pos, _pos, _session, _tokens, _tree_fields
 from .limits import DEFAULT_LIMITS, Limits
-from .messages import (
-    Message,
-    _check_tree,
-    _epoch,
-    _Field,
-    _opt_pos,
-    _pos,
-    _seq_field,
-    _session,
-    _tensor_field,
-    _tokens,
-    _tree_fields,
-)
+from .messages import Message, _seq_field, _tensor_field
 from .tensors import WireTensor, decode_tensor, encode_tensor
 from .topk import ID_CODECS, decode_ids, encode_ids, is_dense, sort_by_prob
 

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 
 from .checks import check_bytes, check_int, check_seq
 from .errors import ProtocolError
+from .fields import Check, _Field
 from .limits import Limits
-from .messages import Check, Message, _Field
+from .messages import Message
 
 KEY_BYTES = 32  # a sha256 of the model name (`dsd.discovery.records.record_key`)
 MAX_RECORD_BYTES = 8 * 1024  # one signed record; `dsd.discovery.records` refuses larger ones too

@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 
 from .checks import check_bytes, check_int, check_str
 from .errors import LIMIT, ProtocolError
+from .fields import _Field
 from .limits import MAX_FILE_BYTES, SHARD_CHUNK_BYTES, Limits
-from .messages import Message, _Field
+from .messages import Message
 
 # `Error` codes of a shard stream, besides bad_frame / version / limit (malformed requests) and
 # bad_request (a range outside the file, or a message that is not a request).

@@ -28,8 +28,8 @@ from dsd.protocol.route_state import (
     ResultArrived,
     Resume,
     RouteState,
-    TimePrefixes,
     Timed,
+    TimePrefixes,
     WindowSent,
 )
 

@@ -32,9 +32,10 @@ from dsd.discovery.announce import Announcer, fetch_records
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import peer_id_of
 from dsd.discovery.records import PeerRecord, RecordError, sign_record, verify_record
-from dsd.node.fetch.fetch import Fetcher, FetchRequest
+from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import PieceBoard, files_for
+from dsd.node.fetch.request import FetchRequest
 from dsd.node.fetch.serve import ShardServer
 from dsd.node.peer.host import head_node
 from dsd.node.testnet.processes import PeerProcess, pid_alive, stop_processes

@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_start(args: argparse.Namespace) -> int:
     import trio
 
-    from dsd.node.fetch.fetch import FetchError
+    from dsd.node.fetch.request import FetchError
     from dsd.node.peer.config import DaemonConfig
     from dsd.node.peer.daemon import run_daemon
     from dsd.protocol import WireFormat

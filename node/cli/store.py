@@ -172,7 +172,7 @@ def add_fetch_options(p: argparse.ArgumentParser, *, model_help: str, out: bool 
 
 def fetch_request(args: argparse.Namespace):
     """The fetch options as a FetchRequest; a missing trust root or a bad value exits with one line saying why."""
-    from dsd.node.fetch.fetch import FetchRequest
+    from dsd.node.fetch.request import FetchRequest
 
     if not args.model:
         raise SystemExit("dsd-node: fetching needs --model MODEL_ID (the model id the peers announce)")
@@ -221,7 +221,7 @@ def run_fetch(request, bootstrap: list[str], blocks: str | None, head: bool, *, 
 
 def fetched_store(args: argparse.Namespace, blocks: str | None = None) -> Path:
     """`--model` in place of `--store`: fetch the head's files (and `blocks`' layers) and return the store path."""
-    from dsd.node.fetch.fetch import FetchError
+    from dsd.node.fetch.request import FetchError
     from dsd.shard_store import StoreError
 
     try:
@@ -233,7 +233,7 @@ def fetched_store(args: argparse.Namespace, blocks: str | None = None) -> Path:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Fetch a span's files (and the head's) from the swarm into a local store, verified; print the report."""
-    from dsd.node.fetch.fetch import FetchError
+    from dsd.node.fetch.request import FetchError
     from dsd.shard_store import StoreError
 
     if args.blocks is None and not args.head:

@@ -15,7 +15,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from .fetch import FetchProgress
+from .request import FetchProgress
 
 
 @contextmanager

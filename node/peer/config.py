@@ -13,7 +13,7 @@ from .metrics_http import DEFAULT_METRICS_HOST
 from .shaper import LinkProfile
 
 if TYPE_CHECKING:
-    from dsd.node.fetch.fetch import FetchRequest
+    from dsd.node.fetch.request import FetchRequest
 
 
 @dataclass
