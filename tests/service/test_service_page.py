@@ -1,0 +1,205 @@
+"""The swarm page of `dsd-node serve`, loaded in a real headless Chromium against a live 2-peer testnet.
+
+Chromium (Debian's `chromium` package) runs the page's JavaScript, which polls `/api/swarm`;
+the DOM it dumps must show every peer (short id, as displayed), the route, the coverage and the
+last request's statistics. A screenshot is saved outside the repository and its path printed.
+Then a peer stops: after the next survey the page shows it dead and the layers it leaves
+uncovered. Without chromium the test fails in CI (CI=true) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+from support.processes import cli_serve, cli_testnet
+
+from dsd.node.testnet.processes import PeerProcess, stop_processes
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
+
+MODEL = "tiny-qwen2"
+KEY = "sk-page-test"
+SHORT = 12  # the page shows the last 12 characters of a peer id (as `dsd-node route` does)
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        why = "Debian's chromium is not installed (apt-get install chromium): the swarm page test needs it"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_qwen2_store: Path, tmp_path_factory: pytest.TempPathFactory):
+    with cli_testnet(tmp_path_factory.mktemp("page_net"), "--store", str(tiny_qwen2_store), "--peers", "2") as net:
+        yield net
+
+
+@pytest.fixture(scope="module")
+def server(swarm: dict, tiny_qwen2_store: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`dsd-node serve` with an API key, surveying every second (the page shows a stopped peer soon)."""
+    state = tmp_path_factory.mktemp("page_serve")
+    (state / "key").write_text(KEY + "\n")
+    with cli_serve(state, swarm["bootstrap"], tiny_qwen2_store, "--api-key", str(state / "key"),
+                   "--refresh", "1") as info:
+        yield info
+
+
+class Dom(HTMLParser):
+    """Every element of a dumped DOM with its attributes and text content."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.elements: list[dict] = []
+        self._open: list[dict] = []
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        el = {"tag": tag, "attrs": dict(attrs), "text": []}
+        self.elements.append(el)
+        if tag not in VOID:
+            self._open.append(el)
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            el = self._open.pop()
+            if self._open:
+                self._open[-1]["text"].extend(el["text"])
+            if el["tag"] == tag:
+                return
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self._open[-1]["text"].append(data)
+
+    def with_class(self, cls: str) -> list[dict]:
+        return [e for e in self.elements if cls in (e["attrs"].get("class") or "").split()]
+
+    def text(self, el: dict) -> str:
+        return "".join(el["text"]).strip()
+
+    def by_id(self, ident: str) -> str:
+        return self.text(next(e for e in self.elements if e["attrs"].get("id") == ident))
+
+
+def run_chromium(chromium: str, profile: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium on `url`; `--virtual-time-budget` lets the page's fetches and timers run first."""
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+           "--virtual-time-budget=4000", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+def page_until(chromium: str, profile: Path, url: str, ready, seconds: float = 30.0) -> Dom:
+    """Dump the page's DOM until `ready(dom)` holds (the page polls every 2 s; each dump is a fresh load)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        out = run_chromium(chromium, profile, url, "--dump-dom")
+        assert out.returncode == 0, out.stderr[-2000:]
+        dom = Dom(out.stdout)
+        if ready(dom) or time.monotonic() > deadline:
+            return dom
+        time.sleep(0.5)
+
+
+def block_peers(swarm: dict) -> list[dict]:
+    return [p for p in swarm["peers"] if p["role"] == "block"]
+
+
+def test_page_shows_peers_route_coverage_and_requests(chromium: str, server: dict, swarm: dict,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    url = server["url"] + "/"
+    peers = sorted(block_peers(swarm), key=lambda p: p["start"])
+    shorts = {p["peer_id"][-SHORT:]: p for p in peers}
+    # the API needs the key, the page and its JSON do not
+    assert httpx.get(server["url"] + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server["url"] + "/api/swarm", timeout=10).status_code == 200
+    done = httpx.post(server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0})
+    assert done.status_code == 200, done.text
+    rid = done.json()["id"]
+
+    profile = tmp_path_factory.mktemp("chromium")
+    dom = page_until(chromium, profile, url, lambda d: len(d.with_class("peer")) == len(peers)
+                     and len(d.with_class("request")) >= 1)
+    assert next(e for e in dom.elements if e["tag"] == "body")["attrs"].get("data-ready") == "yes"
+    cells = dom.with_class("peer-id")
+    assert sorted(dom.text(c) for c in cells) == sorted(shorts), [dom.text(c) for c in cells]
+    assert {c["attrs"]["title"] for c in cells} == {p["peer_id"] for p in peers}  # the full id on hover
+    assert [dom.text(e) for e in dom.with_class("alive")] == ["alive"] * len(peers)
+    route = dom.by_id("route")
+    want = " → ".join(f"{p['peer_id'][-SHORT:]} [{p['start']}:{p['end']}]" for p in peers)
+    assert f"head → {want} → head" in route, route
+    assert [dom.text(e) for e in dom.with_class("layer")] == ["1"] * 5  # every layer covered once
+    assert dom.by_id("model") == MODEL
+
+    row = next(r for r in dom.with_class("request") if r["attrs"].get("data-id") == rid)
+    stats = {cls: dom.text(cell(dom, row, cls)) for cls in ("tokens-per-s", "mean-accepted", "speedup")}
+    assert float(stats["tokens-per-s"]) > 0 and float(stats["mean-accepted"]) >= 0, stats
+    assert stats["speedup"].endswith("×") and float(stats["speedup"][:-1]) >= 1.0, stats
+
+    shot = tmp_path_factory.mktemp("swarm_page") / "swarm-page.png"
+    out = run_chromium(chromium, profile, url, "--window-size=1280,1000", f"--screenshot={shot}")
+    assert out.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out.stderr[-2000:]
+    print(f"\nswarm page screenshot: {shot}")
+
+
+def cell(dom: Dom, row: dict, cls: str) -> dict | None:
+    """The first element of class `cls` inside table row `row`, or None."""
+    at = next(i for i, e in enumerate(dom.elements) if e is row)
+    for e in dom.elements[at + 1:]:
+        if e["tag"] == "tr":
+            return None
+        if cls in (e["attrs"].get("class") or "").split():
+            return e
+    return None
+
+
+def test_page_shows_the_span_a_head_serves_itself(chromium: str, swarm: dict, tiny_qwen2_store: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`serve --blocks 0:3`: the ring is the head's own hop, then the peer serving 3:5 (the one for 0:3 is
+    not needed); the page shows the head's lane and hop, and every layer covered once by the route."""
+    last = next(p for p in block_peers(swarm) if p["start"] == 3)
+    state = tmp_path_factory.mktemp("page_serve_local")
+    with cli_serve(state, swarm["bootstrap"], tiny_qwen2_store, "--blocks", "0:3") as local:
+        dom = page_until(chromium, tmp_path_factory.mktemp("chromium_local"), local["url"] + "/",
+                         lambda d: "head [0:3]" in d.by_id("route"))
+        route = dom.by_id("route")
+        assert route.startswith(f"head [0:3] → {last['peer_id'][-SHORT:]} [3:5] → head"), route
+        assert [dom.text(e) for e in dom.with_class("local")] == ["0:3", "head [0:3]"]  # its lane's bar, its hop
+        assert [dom.text(e) for e in dom.with_class("layer")] == ["2", "2", "2", "1", "1"]  # the head and the 0:3 peer
+
+
+def test_page_shows_a_stopped_peer_dead_and_its_layers_uncovered(chromium: str, server: dict, swarm: dict,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Last: stops the peer serving blocks 3:5."""
+    last = next(p for p in block_peers(swarm) if p["start"] == 3)
+    stop_processes([PeerProcess.from_dict(last)])
+    profile = tmp_path_factory.mktemp("chromium_dead")
+
+    def shows_dead(dom: Dom) -> bool:
+        return any(r["attrs"].get("data-peer") == last["peer_id"] and cell(dom, r, "dead") is not None
+                   for r in dom.with_class("peer"))
+
+    dom = page_until(chromium, profile, server["url"] + "/", shows_dead)
+    assert shows_dead(dom), [dom.text(r) for r in dom.with_class("peer")]
+    assert [dom.text(e) for e in dom.with_class("layer")] == ["1", "1", "1", "0", "0"]
+    assert "no complete route" in dom.by_id("route"), dom.by_id("route")
+    shot = tmp_path_factory.mktemp("swarm_page_dead") / "swarm-page-dead-peer.png"
+    out = run_chromium(chromium, profile, server["url"] + "/", "--window-size=1280,1000", f"--screenshot={shot}")
+    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
+    print(f"\nswarm page with a stopped peer: {shot}")
+    alive = [r for r in dom.with_class("peer") if cell(dom, r, "alive") is not None]
+    assert [r["attrs"]["data-peer"] for r in alive] == [p["peer_id"] for p in block_peers(swarm) if p is not last]
