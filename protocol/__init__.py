@@ -1,4 +1,4 @@
-"""Sans-IO wire protocol: messages, framing, session rules, token-tree rules (`trees`), tensor and top-K codecs,
+"""Sans-IO wire protocol: messages, framing, session rules, token-tree rules (`tree_rules`), tensor and top-K codecs,
 shard transfer (`shard`).
 
 Bytes in, typed messages out, or a `ProtocolError` naming the field that was wrong.

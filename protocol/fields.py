@@ -18,7 +18,7 @@ from .checks import (
 from .errors import BAD_REQUEST, ProtocolError
 from .limits import MAX_POSITION, MAX_U63, MAX_U64, Limits
 from .tensors import WireTensor
-from .trees import check_keep, check_parents
+from .tree_rules import check_keep, check_parents
 
 # A field kind: validate (and normalise) a Python value; `decode` turns the msgpack form into one.
 Check = Callable[[Any, str, Limits], Any]

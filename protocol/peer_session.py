@@ -9,7 +9,7 @@ in flight when the head rolled back), anything else that breaks a rule raises a
 the cache: on acceptance it says what length to keep, and the server applies that.
 
 Token trees: the state remembers the last window (start, nodes, parents) while the cache
-still holds all of it, so a `keep` path can be checked against it (see `trees.check_path`).
+still holds all of it, so a `keep` path can be checked against it (see `tree_rules.check_path`).
 A tree's positions reach committed length + depth, its KV rows committed length + nodes;
 both must fit max_len.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import BAD_REQUEST, LIMIT, UNKNOWN_SESSION, ProtocolError, SessionRuleError
-from .trees import check_path, is_chain, positions
+from .tree_rules import check_path, is_chain, positions
 
 
 @dataclass(frozen=True)

@@ -17,29 +17,29 @@ if TYPE_CHECKING:  # the names as type checkers see them ("X as X": re-exported)
     from .modules import HeadModule as HeadModule
     from .modules import SpanModule as SpanModule
     from .store import Store as Store
-    from .tree import MAX_TREE_NODES as MAX_TREE_NODES
-    from .tree import check_parents as check_parents
-    from .tree import check_path as check_path
-    from .tree import tree_depths as tree_depths
-    from .tree import tree_mask as tree_mask
-    from .tree import tree_position_ids as tree_position_ids
+    from .tree_windows import MAX_TREE_NODES as MAX_TREE_NODES
+    from .tree_windows import check_parents as check_parents
+    from .tree_windows import check_path as check_path
+    from .tree_windows import tree_depths as tree_depths
+    from .tree_windows import tree_mask as tree_mask
+    from .tree_windows import tree_position_ids as tree_position_ids
     from .writer import convert as convert
     from .writer import write_store as write_store
 
 _HOMES = {
-    "MAX_TREE_NODES": "tree",
+    "MAX_TREE_NODES": "tree_windows",
     "HeadModule": "modules",
     "Manifest": "manifest",
     "SpanCache": "kv_cache",
     "SpanModule": "modules",
     "Store": "store",
     "StoreError": "errors",
-    "check_parents": "tree",
-    "check_path": "tree",
+    "check_parents": "tree_windows",
+    "check_path": "tree_windows",
     "convert": "writer",
-    "tree_depths": "tree",
-    "tree_mask": "tree",
-    "tree_position_ids": "tree",
+    "tree_depths": "tree_windows",
+    "tree_mask": "tree_windows",
+    "tree_position_ids": "tree_windows",
     "write_store": "writer",
 }
 

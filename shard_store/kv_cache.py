@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .errors import StoreError
-from .tree import check_path
+from .tree_windows import check_path
 
 
 class SpanCache:

@@ -16,7 +16,7 @@ from torch import nn
 from .errors import StoreError
 from .families import FamilyAdapter
 from .kv_cache import SpanCache
-from .tree import check_parents, is_chain, tree_mask, tree_position_ids
+from .tree_windows import check_parents, is_chain, tree_mask, tree_position_ids
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -178,7 +178,7 @@ class SpanModule(nn.Module):
         """Run the window through the span, appending its K/V.
 
         parents None: a chain at positions start_pos..start_pos+t-1 (causal mask). Otherwise a token
-        tree (see shard_store.tree): node i at start_pos + depth(i), attending to the cache and its
+        tree (see shard_store.tree_windows): node i at start_pos + depth(i), attending to the cache and its
         ancestors only; every node's K/V is appended and `cache.keep` later commits one path.
         """
         if not isinstance(cache, SpanCache) or (cache.start, cache.end) != (self.start, self.end):

@@ -11,9 +11,9 @@ import torch
 
 from dsd.protocol.deadlines import DeadlineRule
 
+from .draft_tree import MAX_POOL_NODES, MAX_TREE_NODES
 from .modes import MODES
 from .sampling import SamplingParams
-from .tree import MAX_POOL_NODES, MAX_TREE_NODES
 
 MAX_PIPELINE = 4  # dsd: most windows in flight at once
 LOOKAHEAD = 3  # dsd: tokens pre-drafted per branch beyond the current window size

@@ -12,9 +12,9 @@ import torch
 import trio
 
 from .config import TREE_DEPTH_CAP, TREE_TOP_K, Drafter, GenerationConfig, TreeDrafter
+from .draft_tree import DraftTree, expand_tree
 from .outcomes import Branch, bonus_alternatives
 from .report import TimeBreakdown
-from .tree import DraftTree, expand_tree
 
 
 @dataclass

@@ -11,7 +11,7 @@ branches advance in one batched draft step. If the verdict matches a branch, tha
 branch goes out as the next window at once ("a ready window").
 
 Token trees: a window drafted on the critical path (in `sd`, and in `dsd` when no
-branch matched) may be a tree of drafts grown EAGLE-2 style (`tree.expand_tree`, the
+branch matched) may be a tree of drafts grown EAGLE-2 style (`draft_tree.expand_tree`, the
 frontier of each layer in one batched draft forward) and verified in one trip
 (`tree_verify.verify_tree`, lossless at any temperature). On the wire the window is
 `[last committed token, nodes...]` with the root as node 0 (parent −1) and tree node i
@@ -46,6 +46,7 @@ from .config import (
     Drafter,
     GenerationConfig,
 )
+from .draft_tree import DraftTree
 from .drafting import Arrival, Bets, Draft, Drafting
 from .outcomes import (
     Branch,
@@ -56,7 +57,6 @@ from .outcomes import (
 )
 from .report import GenerationResult, TimeBreakdown
 from .sampling import SamplingParams
-from .tree import DraftTree
 from .tree_verify import verify_tree
 from .verify import Decoder, find_stop, verify_window
 from .window import WindowController

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tree import DraftTree
+from .draft_tree import DraftTree
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_tree import Children, DraftTree
 from .sampling import SamplingParams, sample, softmax, warp
-from .tree import Children, DraftTree
 from .verify import Verdict
 
 __all__ = ["TreeVerdict", "verify_tree", "tree_verify_params"]

@@ -3,7 +3,7 @@
 Every role is this one process with different options: a bootstrap node (DHT
 only), a block peer (DHT + `/dsd/infer/1`), and — from the head's side — the
 sink of return legs. The daemon owns one nursery; SIGINT/SIGTERM cancel it.
-What a serving peer loads lives in `serving` (imported only by a peer that serves).
+What a serving peer loads lives in `loading` (imported only by a peer that serves).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .metrics_http import serve_metrics
 if TYPE_CHECKING:
     from dsd.node.server.block import BlockServer
 
-    from .serving import Prepared
+    from .loading import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
     # loading anything, when its device is not there (StoreError), or when its span does not fit (ValueError).
     prepared: Prepared | None = None
     if cfg.store or cfg.fetch:
-        from .serving import prepare
+        from .loading import prepare
 
         prepared = await prepare(cfg)
         cfg = prepared.cfg
@@ -74,7 +74,7 @@ async def _start_serving(
     server: BlockServer | None = None
     announcer: Announcer | None = None
     if prepared is not None:
-        from .serving import load
+        from .loading import load
 
         server, announcer = await load(prepared, peer, info)
     if cfg.metrics_port is not None:  # before announcing: a port in use ends the start before anyone is told

@@ -119,7 +119,7 @@ def preload_daemon_imports(family_module: str | None = None) -> None:
     so that daemons forked from this process (`fork_daemon`) start without 5-9 s of imports each."""
     import importlib
 
-    for name in ("dsd.node.peer.daemon", "dsd.node.peer.serving", family_module):
+    for name in ("dsd.node.peer.daemon", "dsd.node.peer.loading", family_module):
         if name:
             importlib.import_module(name)
 

@@ -38,7 +38,7 @@ from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import PieceBoard, files_for
 from dsd.node.fetch.request import FetchRequest
-from dsd.node.fetch.serve import ShardServer
+from dsd.node.fetch.shard_server import ShardServer
 from dsd.node.peer.host import head_node
 from dsd.node.testnet.processes import PeerProcess, pid_alive, stop_processes
 from dsd.protocol import (

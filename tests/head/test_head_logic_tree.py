@@ -10,8 +10,8 @@ import pytest
 import torch
 from support.sampling import chi2_pvalue
 
+from dsd.node.head.draft_tree import MAX_TREE_NODES, Children, DraftTree, check_parents, expand_tree
 from dsd.node.head.sampling import SamplingParams, sample, warp
-from dsd.node.head.tree import MAX_TREE_NODES, Children, DraftTree, check_parents, expand_tree
 from dsd.node.head.tree_verify import TreeVerdict, verify_tree
 from dsd.node.head.verify import verify_window
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dsd.node.head.tree import MAX_TREE_NODES, DraftTree, expand_tree
+from dsd.node.head.draft_tree import MAX_TREE_NODES, DraftTree, expand_tree
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsd.node.peer.config import parse_blocks
-from dsd.node.peer.serving import blocks_that_fit
+from dsd.node.peer.loading import blocks_that_fit
 from dsd.shard_store import Store
 
 

@@ -31,7 +31,7 @@ from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.peer.config import DaemonConfig
-from dsd.node.peer.serving import blocks_that_fit, plan_layers
+from dsd.node.peer.loading import blocks_that_fit, plan_layers
 from dsd.node.server.limits import ServerLimits
 from dsd.protocol import ProtocolError, WireFormat, codec_for_dtype, decode_tensor
 from dsd.shard_store import Store, StoreError, convert

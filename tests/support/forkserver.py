@@ -29,7 +29,7 @@ PRELOAD = (
     "libp2p",
     "dsd.node.cli.main",
     "dsd.node.peer.host",
-    "dsd.node.peer.serving",
+    "dsd.node.peer.loading",
     "dsd.node.head.engine",
     "dsd.node.route.backend",
     "dsd.shard_store.store",

@@ -24,7 +24,7 @@ from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import files_for
 from dsd.node.fetch.progress import fetch_progress
-from dsd.node.fetch.serve import ShardServer, announce_manifest
+from dsd.node.fetch.shard_server import ShardServer, announce_manifest
 from dsd.node.server.block import BlockServer
 from dsd.node.server.limits import ServerLimits
 from dsd.node.server.metrics import PeerMetrics

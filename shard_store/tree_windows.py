@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dsd.protocol import ProtocolError
-from dsd.protocol import trees as wire
+from dsd.protocol import tree_rules as wire
 
 from .errors import StoreError
 
@@ -31,7 +31,7 @@ def _as_list(value: object) -> object:
 def check_parents(parents: object, max_nodes: int = MAX_TREE_NODES) -> list[int]:
     """Validate a parents array (ints, -1 <= parents[i] < i, 1..max_nodes nodes) and return it as a list.
 
-    The rule is the wire's (`dsd.protocol.trees.check_parents`); its error becomes a StoreError
+    The rule is the wire's (`dsd.protocol.tree_rules.check_parents`); its error becomes a StoreError
     naming the bad index. parents[i] < i means no forward references and so no cycles.
     """
     try:
@@ -104,7 +104,7 @@ def check_path(parents: Sequence[int] | None, nodes: int, rows: object) -> list[
 
     rows[0] must be a child of the committed token and each next row a child of the one before, so
     that kept row k sits at position committed_len + k as it did when it was computed (the wire's
-    rule, `dsd.protocol.trees.check_path`, as a StoreError).
+    rule, `dsd.protocol.tree_rules.check_path`, as a StoreError).
     """
     try:
         return list(wire.check_path(parents, nodes, _as_list(rows), "rows"))
