@@ -176,6 +176,7 @@ def tree(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")}
 
 
+@pytest.mark.network
 def test_a_newcomer_fetches_only_its_span_joins_the_route_and_generates_exactly(swarm: dict, tiny8: Path) -> None:
     state, sha = swarm["state"], swarm["sha"]
     info = swarm["net"].start("newcomer", "--model", MODEL, "--manifest-sha256", sha, "--blocks", "4:8",
@@ -247,6 +248,7 @@ async def seed(bootstrap: str, store: Path, server: type[ShardServer], *, task_s
         await trio.sleep_forever()
 
 
+@pytest.mark.network
 def test_a_corrupting_seeder_is_blacklisted_and_the_fetch_completes_from_another(swarm: dict, tiny8: Path,
                                                                                  tmp_path: Path) -> None:
     store = store_for(tiny8, "tiny-llama8-b")
@@ -275,6 +277,7 @@ def test_a_corrupting_seeder_is_blacklisted_and_the_fetch_completes_from_another
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+@pytest.mark.network
 def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swarm: dict, tiny8: Path,
                                                                            tmp_path: Path) -> None:
     store = store_for(tiny8, "tiny-llama8-c")
@@ -322,6 +325,7 @@ def test_a_seeder_killed_mid_file_is_replaced_without_fetching_a_byte_twice(swar
     assert fetched.verify(only=SPAN_FILES) == []
 
 
+@pytest.mark.network
 def test_hostile_requests_get_clear_errors_and_the_peer_keeps_serving(swarm: dict, tiny8: Path) -> None:
     peer = swarm["seeder"]
     store = Store(tiny8 / "store")

@@ -72,6 +72,7 @@ async def _round_trips(profile: LinkProfile, payload: int, count: int) -> list[f
     return times
 
 
+@pytest.mark.network
 def test_latency_within_a_few_ms_of_the_setting() -> None:
     async def main() -> tuple[float, float]:
         base = statistics.median(await _round_trips(LinkProfile(), 16, 7))
@@ -83,6 +84,7 @@ def test_latency_within_a_few_ms_of_the_setting() -> None:
     assert shaped - base == pytest.approx(0.050, abs=0.012), (base, shaped)
 
 
+@pytest.mark.network
 def test_bandwidth_cap_holds_on_a_1mb_transfer() -> None:
     async def main() -> float:
         return (await _round_trips(LinkProfile.from_options(0.0, mbit=8.0), 1_000_000, 1))[0]
