@@ -130,5 +130,3 @@ def sampling_models(tmp_path_factory: pytest.TempPathFactory):
     # The draft really differs from the target where it is verified (else a broken rule could pass).
     assert float((0.5 * (second - q).abs().sum(-1)).min()) > 0.2
     return store.load_head(), store.load_span(0, 1), draft, first[:, None] * second
-
-
