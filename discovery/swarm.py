@@ -83,6 +83,14 @@ class SwarmWatch:
             return None
         return list(self.view.plan.protocol_hops())
 
+    def route_to_start(self) -> list[Hop] | None:
+        """The last survey's route for a new generation to start on, unless it crosses a peer this process has
+        blacklisted since (then None: the generation plans its own route, avoiding it)."""
+        hops = self.hops
+        if hops is not None and {h.peer_id for h in hops} & self.blacklist.active():
+            return None
+        return hops
+
     @property
     def missing(self) -> NoRouteError:
         """Why there is no route: the last survey's error (every block is missing before the first)."""

@@ -151,7 +151,7 @@ def dsd_stats(report: GenerationReport, job: Job) -> dict[str, Any]:
 async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int]], None]) -> GenerationReport:
     """Generate over the last surveyed route; survey again and start over once if it fails before the first token."""
     head, cfg = state.head, job.plan.cfg
-    hops = state.swarm.hops
+    hops = state.swarm.route_to_start()
     for attempt in (1, 2):
         try:
             return await generate_over_swarm(state.node, state.legs, state.swarm, head.setup_for(cfg), job.plan.prompt,
@@ -172,7 +172,7 @@ async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int
                 if view.plan is None:
                     state.metrics.failures.labels(cause="no_route").inc()
                     raise no_route_error(state.swarm.missing) from None
-                hops = state.swarm.hops
+                hops = state.swarm.route_to_start()
                 continue
             state.metrics.failures.labels(cause="route_failed").inc()
             state.swarm.poke()

@@ -1,0 +1,32 @@
+"""A head process's one view of the swarm and its blacklist (pure parts: no network)."""
+
+from __future__ import annotations
+
+from dsd.discovery.planner import plan_route
+from dsd.discovery.records import PeerRecord
+from dsd.discovery.survey import SwarmView
+from dsd.discovery.swarm import Blacklist, SwarmWatch
+
+
+def rec(pid: str, start: int, end: int) -> PeerRecord:
+    return PeerRecord(pid, (f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), "m", start, end, throughput=1000.0,
+                      cache_tokens_left=100_000, expires=2e9, issued=1e9)
+
+
+def test_the_backoff_doubles_with_every_failure_up_to_the_cap() -> None:
+    bl = Blacklist(base_s=30.0, max_s=100.0)
+    assert [bl.add("p", now=0.0) for _ in range(4)] == [30.0, 60.0, 100.0, 100.0]
+    assert bl.active(now=99.0) == {"p"} and bl.active(now=100.5) == set()
+
+
+def test_a_new_generation_does_not_start_on_a_route_through_a_blacklisted_peer() -> None:
+    """The service's requests start on the last survey's route, unless a request blamed one of its peers since:
+    then the next generation plans its own, avoiding it (one blacklist per head process)."""
+    records = [rec("a", 0, 4), rec("b", 4, 8)]
+    watch = SwarmWatch(None, "m", 8)  # type: ignore[arg-type]  # no survey is run here
+    assert watch.route_to_start() is None  # nothing surveyed yet
+    watch.view = SwarmView(records, {"a": 0.01, "b": 0.01}, plan_route(records, {"a": 0.01, "b": 0.01}, 8))
+    assert [h.peer_id for h in watch.route_to_start() or []] == ["a", "b"]
+    watch.blacklist.add("b")
+    assert watch.route_to_start() is None
+    assert [h.peer_id for h in watch.hops or []] == ["a", "b"]  # the page still shows what the survey saw
