@@ -66,7 +66,7 @@ def machine_info() -> dict[str, Any]:
 
 def run_metadata(name: str, args: argparse.Namespace | Any = None) -> dict[str, Any]:
     """The header every result file carries: name, date, commit, machine and the settings used (`args`' fields)."""
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} if args else {}
+    settings = {k: (shown_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} if args else {}
     return {
         "name": name,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -76,9 +76,17 @@ def run_metadata(name: str, args: argparse.Namespace | Any = None) -> dict[str, 
     }
 
 
+def shown_path(path: Path) -> str:
+    """A path as results record it: relative to the repository when inside it, else by its last part only."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return f"<{path.name}>"
+
+
 def command_line(script: str, argv: Sequence[str]) -> str:
-    """The command as results record it: absolute paths (this machine's) shown by their last part only."""
-    return " ".join([f"python bench/{script}", *(f"<{Path(a).name}>" if a.startswith("/") else a for a in argv)])
+    """The command as results record it, absolute paths shown as `shown_path` shows them."""
+    return " ".join([f"python bench/{script}", *(shown_path(Path(a)) if a.startswith("/") else a for a in argv)])
 
 
 def comma_list(p: argparse.ArgumentParser, option: str, text: str, kind: Callable[[str], T]) -> list[T]:

@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = run_metadata("soak", args)
     data.setdefault("meta", meta)
     data.setdefault("command", command_line("soak.py", sys.argv[1:] if argv is None else list(argv)))
-    data.setdefault("stretches", []).append({"commit": meta["commit"], "date": meta["date"],
+    data.setdefault("stretches", []).append({"commit": meta["commit"], "date": meta["date"], "reps": args.reps,
                                              "load_before": os.getloadavg()})
     runs: list[dict[str, Any]] = data.setdefault("runs", [])
     done = {(r["rep"], r["problem"], r["mix"]) for r in runs}
