@@ -15,9 +15,9 @@ Every generation is a fresh head (`--head fresh`: a new libp2p identity in this 
 the CLI itself (`--head cli`: a `dsd-node generate` process). The results file is rewritten after every
 generation and a rerun resumes where it stopped.
 
-    python bench/soak.py --models tiny --reps 5                        # 350 generations, ~30 min
+    python bench/soak.py --models tiny --reps 4                        # 280 generations, ~80 min
     python bench/soak.py --models tiny --reps 1 --head cli             # 70 generations through the CLI
-    python bench/soak.py --models real --reps 2 --mixes ar,sd,dsd      # the real pair (hours)
+    python bench/soak.py --models real --reps 1                        # 70 on the real pair (about an hour)
 """
 
 from __future__ import annotations
