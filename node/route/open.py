@@ -46,7 +46,8 @@ async def open_route_client(
             view = await swarm.plan(avoid, wait_s=first_wait_s)
             if view.plan is None:
                 assert view.error is not None
-                raise RouteGaveOut(RouteFailure("no_route", str(view.error),
+                waited = f" (after waiting {first_wait_s:.0f} s for the swarm's records)" if first_wait_s > 0 else ""
+                raise RouteGaveOut(RouteFailure("no_route", f"{view.error}{waited}",
                                                 missing_blocks=list(view.error.missing_blocks)))
             hops, prior = list(view.plan.protocol_hops()), plan_prior(view.plan)
             rtts = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
