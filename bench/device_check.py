@@ -143,6 +143,7 @@ def speed(target: Path, draft: Path | None, place: Any, prompt: list[int], token
     from dsd.node.head.config import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import load_head_setup
+    from dsd.node.peer.generation import swarm_watch
     from dsd.node.peer.host import head_node
     from dsd.node.peer.shaper import LinkProfile
     from dsd.node.testnet.calibrate import measure_t0
@@ -165,11 +166,12 @@ def speed(target: Path, draft: Path | None, place: Any, prompt: list[int], token
         async def main() -> None:
             async with head_node([testnet.bootstrap], link) as (node, legs):
                 hops = await plan_once(node, store.manifest.model_id, store.num_layers)
+                swarm = swarm_watch(node, setup)
                 for mode in ("ar", "dsd"):
                     cfg = GenerationConfig(mode=mode, max_new_tokens=args.max_new_tokens, params=params,
                                            stop_strings=HUMANEVAL_STOPS if tokenizer is not None else ())
                     mode_setup = dataclasses.replace(setup, drafter=None) if mode == "ar" else setup
-                    report = await run_generation(node, legs, mode_setup, prompt, cfg, hops, tokenizer)
+                    report = await run_generation(swarm, legs, mode_setup, prompt, cfg, hops, tokenizer)
                     reports[mode] = report.as_dict()
 
         trio.run(main)

@@ -184,7 +184,7 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup:
 # --- runs -----------------------------------------------------------------------------------------
 
 
-async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload: Workload, problem: dict[str, Any],
+async def run_prompt(swarm: Any, legs: Any, hops: list[Any], setup: Any, workload: Workload, problem: dict[str, Any],
                      rep: int, opts: SweepOptions, eos: frozenset[int]) -> list[dict[str, Any]]:
     """Every mode in turn on one prompt over the same route; a failure is recorded with its mode and ends the prompt."""
     from dsd.node.head.config import GenerationConfig
@@ -205,7 +205,7 @@ async def run_prompt(node: Any, legs: Any, hops: list[Any], setup: Any, workload
             mode_setup.drafter.reset()  # no mode inherits another's draft cache
         run: dict[str, Any] = {"task_id": problem["task_id"], "rep": rep, "mode": mode, "prompt_tokens": len(prompt)}
         try:
-            report = await run_generation(node, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
+            report = await run_generation(swarm, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
             run.update(report.as_dict())
             run["mode"] = mode  # the benchmark's mode (sd-chain), not the engine's (sd)
         except Exception as exc:  # e.g. a peer failed; recorded, not fatal to the sweep
@@ -256,6 +256,7 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     """One (N, t1/t0) setting: start the testnet, run the missing (rep, prompt) pairs in every mode, stop it."""
     import trio
 
+    from dsd.node.peer.generation import swarm_watch
     from dsd.node.peer.host import head_node
     from dsd.node.peer.shaper import LinkProfile
 
@@ -290,8 +291,9 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
                 if why := route_mismatch(hops, cal):
                     raise SystemExit(f"setting {setting['key']}: {why}")
                 setting["route"] = [[h.start, h.end] for h in hops]
+                swarm = swarm_watch(node, setup)
                 for rep, problem in todo:
-                    setting["runs"].extend(await run_prompt(node, legs, hops, setup, workload, problem, rep, opts, eos))
+                    setting["runs"].extend(await run_prompt(swarm, legs, hops, setup, workload, problem, rep, opts, eos))
                     setting["summary"] = summarize(setting)
                     setting["provenance"]["load_after"] = os.getloadavg()
                     save()

@@ -187,17 +187,12 @@ async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float 
     return list(view.plan.protocol_hops())
 
 
-_WATCHES: dict[str, Any] = {}  # head peer id -> its one view of the swarm (and blacklist), as a head process keeps
-
-
-async def run_generation(node: Any, legs: Any, setup: Any, prompt: Sequence[int], cfg: Any, hops: list[Any],
+async def run_generation(swarm: Any, legs: Any, setup: Any, prompt: Sequence[int], cfg: Any, hops: list[Any],
                          tokenizer: Any = None) -> Any:
-    """One generation over `hops` (`generate_over_swarm`): a `GenerationReport` with the engine's exact counters.
-    A `GenerationFailed` comes out as itself. Every generation of one head node shares its view of the swarm."""
-    from dsd.node.peer.generation import RouteTarget, generate_over_swarm, swarm_watch
+    """One generation over `hops` (`generate_over_swarm`) from the head node of `swarm`, its one view of the swarm
+    (`swarm_watch`, made once per head node, as a head process keeps it): a `GenerationReport` with the engine's
+    exact counters. A `GenerationFailed` comes out as itself."""
+    from dsd.node.peer.generation import RouteTarget, generate_over_swarm
 
-    swarm = _WATCHES.get(node.peer_id)
-    if swarm is None or swarm.node is not node:
-        swarm = _WATCHES[node.peer_id] = swarm_watch(node, setup)
-    return await generate_over_swarm(node, legs, swarm, setup, prompt, cfg, target=RouteTarget(hops=hops),
+    return await generate_over_swarm(swarm.node, legs, swarm, setup, prompt, cfg, target=RouteTarget(hops=hops),
                                      tokenizer=tokenizer if cfg.stop_strings else None)

@@ -120,7 +120,7 @@ class SwarmWatch:
         started, or the node that held its record left); the last view says what is still missing."""
         banned = self.blacklist.active() | avoid
         give_up = trio.current_time() + wait_s
-        attempt = 0
+        level = logging.WARNING  # the first wait is news; the surveys after it are detail
         while True:
             with trio.fail_after(self.survey_timeout_s):
                 view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, blacklist=banned)
@@ -128,9 +128,8 @@ class SwarmWatch:
             left = give_up - trio.current_time()
             if view.plan is not None or left <= 0:
                 return view
-            log.log(logging.WARNING if attempt == 0 else logging.INFO,
-                    "%s; waiting up to %.0f s more for the swarm's records", view.error, left)
-            attempt += 1
+            log.log(level, "%s; waiting up to %.0f s more for the swarm's records", view.error, left)
+            level = logging.INFO
             await trio.sleep(min(1.0, left))
 
     def _remember(self, view: SwarmView, now: float) -> None:
