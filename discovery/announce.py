@@ -32,8 +32,8 @@ class Announcer:
     """Publishes this peer's record(s) now and every `refresh_s` (default TTL/3), each valid for `ttl_s`.
 
     `record_fn()` is called at every refresh so fields like free cache tokens stay current;
-    it returns one PeerRecord or several. peer_id is forced to the node's, addrs default
-    to the node's, issued/expires are set here. `await stop()` (while the node still runs)
+    it returns one PeerRecord or several. peer_id, addrs and reachability are the node's now (a private
+    peer's relayed addresses change as relays come and go), issued/expires are set here. `await stop()` (while the node still runs)
     publishes withdrawn copies (expires = issued) unless `withdraw_on_stop` is False;
     otherwise the TTL removes the records.
     """
@@ -67,7 +67,8 @@ class Announcer:
         got = self.record_fn()
         recs = [got] if isinstance(got, PeerRecord) else list(got)
         return [
-            replace(r, peer_id=self.node.peer_id, addrs=r.addrs or tuple(self.node.addrs), issued=now, expires=now + ttl)
+            replace(r, peer_id=self.node.peer_id, addrs=tuple(self.node.addrs) or r.addrs, issued=now, expires=now + ttl,
+                    reachability=self.node.reachability)
             for r in recs
         ]
 
@@ -126,11 +127,14 @@ class Announcer:
 
     async def _publish_logged(self) -> None:
         try:
-            with trio.move_on_after(self.refresh_s):
+            with trio.move_on_after(self.refresh_s) as scope:
                 async with self._publishing:
                     stored = await self.publish_once()
                 if not stored:
                     log.warning("record published to no storing node")
+            if scope.cancelled_caught:
+                log.warning("publishing the record took over %.1f s: cut short (the next refresh tries again)",
+                            self.refresh_s)
         except Exception as exc:
             log.warning("publishing discovery record failed: %r", exc)
 

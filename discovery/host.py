@@ -20,7 +20,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IOException
-from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -30,8 +30,12 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from dsd.protocol.ids import RECORDS_PROTOCOL
 
+from . import libp2p_logs  # noqa: F401  (hides py-libp2p's churn messages)
+from .addrs import announceable, is_circuit, split_addr
+from .dht import ServersOnlyDHT
 from .framing import FramedStream, LinkError
 from .identity import peer_id_of
+from .nat import NatOptions, NatTraversal
 from .record_client import LOOKUP_TIMEOUT_S, REQUEST_TIMEOUT_S, RecordClient
 from .record_store import RecordStore, serve_records
 from .records import record_key
@@ -42,48 +46,10 @@ Handler = Callable[[FramedStream, str], Awaitable[None]]
 StreamWrapper = Callable[[Any], Any]
 
 
-class _DropLibp2pNoise(logging.Filter):
-    """Hide py-libp2p warnings that are normal churn: DHT peers hanging up, dead peers, shutdown races."""
-
-    NOISE = (
-        "Failed to read DHT message",
-        "Failed to open stream to",
-        "Cannot schedule task after service has stopped",
-        "Failed to open TCP stream",
-        "MultiselectClient handshake",
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not any(n in msg for n in self.NOISE)
-
-
-for _name in (
-    "libp2p.kad_dht.kad_dht",
-    "libp2p.kad_dht.peer_routing",
-    "libp2p.network.swarm",
-    "libp2p.host.basic_host",
-    "libp2p.transport.tcp.tcp",
-    "libp2p.protocol_muxer.multiselect_client",
-):
-    logging.getLogger(_name).addFilter(_DropLibp2pNoise())
-
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 2.0
 MAINTENANCE_INTERVAL_S = 15.0
 STORE_GC_INTERVAL_S = 1.0
-
-
-def _split_addr(addr: str) -> tuple[multiaddr.Multiaddr, str | None]:
-    """(transport multiaddr, peer id or None) for an address with or without /p2p/<id>."""
-    try:
-        ma = multiaddr.Multiaddr(addr)
-    except Exception as exc:
-        raise ValueError(f"bad multiaddr {addr!r}: {exc}") from None
-    if "/p2p/" in addr:
-        info = info_from_p2p_addr(ma)
-        return info.addrs[0], info.peer_id.to_base58()
-    return ma, None
 
 
 # py-libp2p's auto-connector dials every known peer whenever a node holds fewer than
@@ -108,22 +74,25 @@ class P2PNode:
         wrap_incoming: bool = True,
         require_bootstrap: bool = True,
         dht_server: bool = True,
+        nat: NatOptions | None = None,
     ) -> None:
         self.key_pair = key_pair
         self.peer_id: str = peer_id_of(key_pair)
-        self.listen_addrs = [_split_addr(a)[0] for a in listen_addrs]
+        self.listen_addrs = [split_addr(a)[0] for a in listen_addrs]
         self.bootstrap = list(bootstrap)
         for b in self.bootstrap:
-            if _split_addr(b)[1] is None:
+            if split_addr(b)[1] is None:
                 raise ValueError(f"bootstrap address {b!r} must end in /p2p/<peer id>")
         self.stream_wrapper = stream_wrapper
         self.wrap_incoming = wrap_incoming
         self.allow_peers = None if allow_peers is None else set(allow_peers)
         self.require_bootstrap = require_bootstrap
         self.dht_server = dht_server
+        self.nat_options = nat
+        self.nat: NatTraversal | None = None
         self.store = RecordStore(key_for_model=record_key, allow_signers=self._allowed_signers())
         self.host: Any = None
-        self.dht: KadDHT | None = None
+        self.dht: ServersOnlyDHT | None = None
         self._running: AsyncExitStack | None = None
         self._handlers: dict[str, Handler] = {}
 
@@ -162,9 +131,13 @@ class P2PNode:
             listen_addrs=self.listen_addrs,
             connection_config=QUIET_CONNECTIONS,
         )
-        self.dht = KadDHT(self.host, DHTMode.SERVER if self.dht_server else DHTMode.CLIENT)
+        # With NAT services, a node starts as a DHT client and serves the DHT once it knows it can be dialled:
+        # a private node listed in routing tables would send every lookup to an address nobody reaches.
+        serve_now = self.dht_server and self.nat_options is None
+        self.dht = ServersOnlyDHT(self.host, DHTMode.SERVER if serve_now else DHTMode.CLIENT)
         failure: Exception | None = None
-        async with self.host.run(listen_addrs=self.listen_addrs), background_trio_service(self.dht):
+        async with self.host.run(listen_addrs=self.listen_addrs), background_trio_service(self.dht), \
+                self._nat_running():
             try:
                 await self._start()
             except Exception as exc:  # re-raised below, once the services are stopped
@@ -180,16 +153,44 @@ class P2PNode:
         if failure is not None:
             raise failure
 
+    @asynccontextmanager
+    async def _nat_running(self) -> AsyncIterator[None]:
+        """The NAT services (reachability, relay v2, hole punching) when the node was given NatOptions."""
+        if self.nat_options is None:
+            yield
+            return
+        self.nat = NatTraversal(self.host, self.nat_options)
+        async with self.nat.running():
+            yield
+
     async def _start(self) -> None:
-        """Serve the record store and the registered protocols, then join the swarm through the bootstrap peers."""
-        if self.dht_server:
-            self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
+        """Serve the registered protocols, join the swarm through the bootstrap peers, learn whether we can be
+        dialled (with NAT services), then serve the record store and the DHT unless we cannot."""
         for pid, handler in self._handlers.items():
             self._install(pid, handler)
         if self.bootstrap:
             reached = await self.join(refresh=False)  # the table is refreshed in the background (`_maintain`)
             if not reached and self.require_bootstrap:
                 raise ConnectionError(f"no bootstrap peer reachable: {', '.join(self.bootstrap)}")
+        if self.nat is not None and self.dht_server:  # heads are DHT clients: nobody dials them, no need to ask
+            await self.learn_reachability()
+        if self.dht_server:
+            self._install(RECORDS_PROTOCOL, self._serve_records, framed=False)
+
+    async def learn_reachability(self) -> str:
+        """Ask the bootstrap peers (AutoNAT) whether we can be dialled. A private node stays a DHT client that
+        serves no records (nobody could reach it to store or read them); any other serves the DHT."""
+        assert self.nat is not None
+        servers = [ID.from_base58(pid) for _, pid in map(split_addr, self.bootstrap) if pid and pid != self.peer_id]
+        servers = [s for s in servers if self.host.get_network().get_connections(s)]
+        listen = announceable(self.host.get_addrs(), self.peer_id, self.bootstrap)
+        reach = await self.nat.learn_reachability(servers, listen)
+        if reach == "private":
+            self.dht_server = False
+        elif self.dht is not None and self.dht.mode != DHTMode.SERVER:
+            await self.dht.switch_mode(DHTMode.SERVER)
+            await self.host._push_identify_to_all_peers()  # so peers see KAD among our protocols and list us
+        return reach
 
     async def _hang_up(self) -> None:
         """Close connections explicitly so remote peers see us go now (not when sockets are collected)."""
@@ -201,10 +202,25 @@ class P2PNode:
 
     @property
     def addrs(self) -> list[str]:
-        """Full multiaddrs of this node, each ending in /p2p/<peer id>."""
+        """The addresses others can reach this node at, each ending in /p2p/<peer id>: its listen addresses
+        (0.0.0.0 replaced by the interface toward the swarm), or when it is private (behind a NAT) its
+        addresses through the relays it holds slots on."""
         if self.host is None:
             return []
-        return [str(a) for a in self.host.get_addrs()]
+        if self.nat is not None and self.nat.reachability == "private":
+            return self.nat.circuit_addrs(self.peer_id)
+        return announceable(self.host.get_addrs(), self.peer_id, self.bootstrap)
+
+    @property
+    def reachability(self) -> str:
+        """public | private | unknown (no NAT services: a loopback or LAN node, reachable where it listens)."""
+        return "unknown" if self.nat is None else self.nat.reachability
+
+    def link_kind(self, peer_id: str) -> str | None:
+        """How streams to `peer_id` travel now: direct | hole-punched | relayed; None when not connected."""
+        if self.nat is not None:
+            return self.nat.link_kind(peer_id)
+        return "direct" if self._connections(ID.from_base58(peer_id))[1] else None
 
     # --- joining the DHT -------------------------------------------------------
 
@@ -217,13 +233,13 @@ class P2PNode:
         assert self.dht is not None
         reached = 0
         for addr in self.bootstrap:
-            ma, pid = _split_addr(addr)
+            ma, pid = split_addr(addr)
             if pid == self.peer_id:
                 continue
             try:
                 with trio.fail_after(CONNECT_TIMEOUT_S):
                     await self.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
-                    await self.dht.add_peer(ID.from_base58(pid), skip_server_mode_check=True)
+                    await self.dht.add_server(ID.from_base58(pid))
                 reached += 1
             except trio.TooSlowError:
                 log.warning("bootstrap %s: no answer within %.0f s", addr, CONNECT_TIMEOUT_S)
@@ -239,7 +255,7 @@ class P2PNode:
             found = await self.dht.peer_routing.find_closest_peers_network(ID.from_base58(self.peer_id).to_bytes())
             for pid in found:
                 if pid.to_base58() != self.peer_id:
-                    await self.dht.add_peer(pid, skip_server_mode_check=True)
+                    await self.dht.add_server(pid)
 
     async def _maintain(self) -> None:
         """Expire stored records often; rejoin if the routing table emptied, else drop the nodes that left and
@@ -269,6 +285,8 @@ class P2PNode:
         Nodes that left (a head's process ends after its generation) stay listed otherwise, and this node
         would hand them to every lookup as the closest to some key."""
         assert self.dht is not None
+        for client in self.dht.client_peers():  # DHT clients (heads, private peers): nobody should ask them
+            self.dht.routing_table.remove_peer(client)
         idle = [p for p in self.dht.routing_table.get_peer_ids() if not self._connections(p)[1]]
 
         async def check(peer: ID, limiter: trio.CapacityLimiter) -> None:
@@ -322,7 +340,9 @@ class P2PNode:
         pid = ID.from_base58(peer_id)
         mas = []
         for a in addrs:
-            ma, embedded = _split_addr(a)
+            if is_circuit(a):  # dialled through NatTraversal; the swarm drops relay addresses anyway
+                continue
+            ma, embedded = split_addr(a)
             if embedded is not None and embedded != peer_id:
                 raise ValueError(f"address {a} belongs to {embedded}, not {peer_id}")
             mas.append(ma)
@@ -341,6 +361,8 @@ class P2PNode:
             raise ValueError("cannot open a stream to ourselves")
         pid = self._remember(peer_id, addrs)
         try:
+            if any(is_circuit(a) for a in addrs):  # else the swarm dials (and redials broken connections) itself
+                await self.connect(peer_id, addrs, pid)
             stream = await self._new_stream(pid, protocol_id)
         except Exception as exc:  # dial failures, refused protocols, resets during negotiation
             raise LinkError(f"cannot open {protocol_id} to {peer_id}: {exc!r}") from exc
@@ -367,6 +389,20 @@ class P2PNode:
                     raise
                 log.debug("connection to %s broke while opening %s (%r); dialling again", pid, protocol_id, exc)
         raise AssertionError("unreachable")
+
+    async def connect(self, peer_id: str, addrs: Sequence[str], pid: ID | None = None) -> None:
+        """Make sure a connection to `peer_id` is open: dial it if needed, through a relay when it announced only
+        relayed addresses (then punch a direct one in the background). ConnectionError if it cannot be reached."""
+        pid = pid or self._remember(peer_id, addrs)
+        if self._connections(pid)[1]:
+            return
+        if not any(is_circuit(a) for a in addrs):
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                await self.host.connect(PeerInfo(pid, self.host.get_peerstore().addrs(pid)))
+        elif self.nat is None:
+            raise ConnectionError(f"{peer_id} is reachable only through a relay, and this node runs no relay client")
+        else:
+            await self.nat.dial(pid, addrs)
 
     def _connections(self, pid: ID) -> tuple[int, int]:
         """How many connections the swarm holds to `pid`, and how many of them are still open."""

@@ -64,10 +64,21 @@ class RecordClient:
         return reply
 
     def _local_candidates(self, key: bytes) -> list[ID]:
-        """Every node this one knows (routing table and open connections) but itself, closest to `key` first."""
+        """Every node this one knows (routing table and open connections) but itself, closest to `key` first;
+        connected peers that identify says serve no record store (heads, peers behind NATs) are left out."""
         assert self.node.dht is not None
         me = ID.from_base58(self.node.peer_id)
-        known = [*self.node.dht.routing_table.find_local_closest_peers(key, MAX_CANDIDATES), *self.node.host.get_connected_peers()]
+        store = self.node.host.get_peerstore()
+
+        def may_store(peer: ID) -> bool:
+            try:
+                protocols = store.get_protocols(peer)
+            except Exception:
+                return True
+            return not protocols or RECORDS_PROTOCOL in protocols
+
+        connected = [p for p in self.node.host.get_connected_peers() if may_store(p)]
+        known = [*self.node.dht.routing_table.find_local_closest_peers(key, MAX_CANDIDATES), *connected]
         return [p for p in sort_peer_ids_by_distance(key, list(dict.fromkeys(known))) if p != me]
 
     async def _lookup(self, key: bytes) -> list[ID]:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECORD_DOMAIN = b"dsd-record/1\x00"  # signature domain separation
-ROLES = ("block", "federated")
+ROLES = ("block", "federated", "relay")
+REACHABILITY = ("public", "private", "unknown")  # unknown: no AutoNAT verdict (or a peer older than the field)
 MAX_RECORD_BYTES = 8 * 1024
 MAX_STR = 256
 MAX_ADDRS = 16
@@ -86,6 +87,7 @@ class PeerRecord:
     vocab_size: int | None = None  # federated workers only
     topk_cap: int | None = None  # federated workers only: largest K it returns
     manifest_sha256: str | None = None  # sha256 of the served store's manifest.json (shard transfer's trust root)
+    reachability: str = "unknown"  # public | private (reached through the relays in addrs) | unknown
 
     def __post_init__(self) -> None:
         _check_str("peer_id", self.peer_id)
@@ -116,6 +118,8 @@ class PeerRecord:
                 value = getattr(self, name)
                 if value is not None:
                     _check_int(name, value, lo=1)
+        if self.reachability not in REACHABILITY:
+            raise RecordError(f"record field reachability must be one of {REACHABILITY}, got {self.reachability!r:.40}")
         if self.manifest_sha256 is not None and not _is_sha256(self.manifest_sha256):
             raise RecordError(f"record field manifest_sha256 must be 64 lowercase hex characters, got {self.manifest_sha256!r:.80}")
 
@@ -133,6 +137,8 @@ class PeerRecord:
         d["addrs"] = list(self.addrs)
         if d["manifest_sha256"] is None:  # a record without it reads the same to peers that predate the field
             del d["manifest_sha256"]
+        if d["reachability"] == "unknown":
+            del d["reachability"]
         return d
 
     @classmethod

@@ -21,6 +21,8 @@ from .records import PeerRecord
 
 log = logging.getLogger(__name__)
 
+RELAYED_COST_FACTOR = 1.25
+
 
 @dataclass
 class SwarmView:
@@ -30,6 +32,7 @@ class SwarmView:
     rtts: dict[str, float | None] = field(default_factory=dict)
     plan: RoutePlan | None = None
     error: NoRouteError | None = None
+    links: dict[str, str | None] = field(default_factory=dict)  # peer id -> direct | relayed | hole-punched
 
     def coverage(self, num_layers: int) -> list[int]:
         """How many live block records cover each layer."""
@@ -51,6 +54,8 @@ class SwarmView:
                 "end": r.end,
                 "throughput": r.throughput,
                 "rtt_ms": None if self.rtts.get(r.peer_id) is None else round(self.rtts[r.peer_id] * 1000, 3),
+                "reachability": r.reachability,
+                "link": self.links.get(r.peer_id),
                 "version": r.version,
                 "dtype": r.dtype,
                 "cache_tokens_left": r.cache_tokens_left,
@@ -61,7 +66,8 @@ class SwarmView:
         route = None
         if self.plan is not None:
             route = {
-                "hops": [{"peer_id": h.peer_id, "start": h.start, "end": h.end} for h in self.plan.hops],
+                "hops": [{"peer_id": h.peer_id, "start": h.start, "end": h.end, "link": self.links.get(h.peer_id)}
+                         for h in self.plan.hops],
                 "est_round_s": round(self.plan.est_round_s, 6),
             }
         missing = list(self.error.missing_blocks) if self.error is not None else []
@@ -163,7 +169,11 @@ async def survey(
         return all(cover[first:last]) or not all(SwarmView(candidates).coverage(num_layers)[first:last])
 
     view.rtts = await probe_rtts(node, candidates, enough=complete)
-    reachable = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
+    view.links = {pid: node.link_kind(pid) for pid, rtt in view.rtts.items() if rtt is not None}
+    # A relayed link costs its measured round trip (through the relay) and a little more, so direct and
+    # punched links win near-ties: the relay shares its bandwidth among every circuit it carries.
+    reachable = {pid: rtt * (RELAYED_COST_FACTOR if view.links.get(pid) == "relayed" else 1.0)
+                 for pid, rtt in view.rtts.items() if rtt is not None}
     live = [r for r in records if r.peer_id in reachable or r.peer_id in banned]  # the planner says why not these
     try:
         view.plan = plan_route(live, reachable, num_layers, blacklist=banned, blocks=blocks)

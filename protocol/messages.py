@@ -320,12 +320,18 @@ class CloseSession(Message):
 
 @dataclass(frozen=True)
 class Ack(Message):
-    """Reply to OpenSession / Truncate / CloseSession: the session's KV length now."""
+    """Reply to OpenSession / Truncate / CloseSession: the session's KV length now.
+
+    An OpenSession's Ack also says how each leg from the answering peer on travels (`links`: direct,
+    relayed or hole-punched, the last one the leg back to the head), so the head can report its whole ring."""
 
     TYPE: ClassVar[str] = "ack"
-    FIELDS: ClassVar[tuple[_Field, ...]] = (_Field("session", _session), _Field("length", _pos))
+    FIELDS: ClassVar[tuple[_Field, ...]] = (
+        _Field("session", _session), _Field("length", _pos), _seq_field("links", _idents, optional=True)
+    )
     session: str
     length: int
+    links: tuple[str, ...] = ()
 
 
 def _code(v: Any, f: str, lim: Limits) -> str:

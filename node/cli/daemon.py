@@ -13,6 +13,7 @@ from dsd.node.server.limits import ServerLimits
 from .options import (
     DEFAULT_IDENTITY,
     add_device_options,
+    add_listen_option,
     add_wan_options,
     link_profile,
     read_allow_list,
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blocks", default="auto", help="layers to serve, START:END (half-open) or auto (least-covered span; default)")
     p.add_argument("--num-blocks", type=int, default=None, help="with --blocks auto: how many layers to serve (default: what --memory-gb allows, else all)")
     p.add_argument("--memory-gb", type=float, default=None, help="device memory this peer may fill with weights (in --dtype) + its --kv-budget of KV cache + activations: --blocks auto serves as many layers as fit, a span that does not fit is refused (default: on a GPU 90%% of its free memory, on the CPU unaccounted)")
-    p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help="listen address (default /ip4/127.0.0.1/tcp/0)")
+    add_listen_option(p, "this peer's")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="a peer to join the swarm through (repeatable)")
     p.add_argument("--identity", type=Path, default=DEFAULT_IDENTITY, metavar="KEYFILE", help=f"private key file, created with mode 0600 (default {DEFAULT_IDENTITY})")
     p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE", help="private swarm: accept streams only from these peer ids (one per line)")
@@ -41,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--codec", choices=("auto", "raw", "fp16", "bf16", "int8"), default="auto", help="hidden-state codec on the wire (default auto: the compute dtype's, exact: raw for float32, bf16/fp16 for half precision)")
     p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
+    nat = p.add_argument_group("NAT traversal (docs/nat.md)")
+    nat.add_argument("--reachability", choices=("auto", "public", "private"), default="auto", help="whether others can dial this peer where it listens: auto asks the bootstrap peers to dial back (AutoNAT); private = behind a NAT: reserve slots on relays and announce addresses through them (default auto)")
+    nat.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None, help="serve circuit relay v2 for peers behind NATs (default: on for --bootstrap-only, off otherwise)")
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this peer's Prometheus metrics at http://HOST:P/metrics (sessions, forward step times by window size, bytes, KV tokens, errors by code); 0 = any free port, its URL goes to --ready-file (default: off)")
@@ -59,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", required=True, help="model id as announced (see `dsd-node store inspect`)")
     r.add_argument("--num-layers", type=int, default=None, help="layers of the model (default: the largest span end announced)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    add_listen_option(r, "the head's")
     add_wan_options(r)
     r.set_defaults(func=cmd_route)
 
@@ -101,6 +106,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         topk_codec=args.topk_codec,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        reachability=args.reachability,
+        relay=args.relay,
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         print(f"dsd-node: --metrics-port must be in 0..65535, got {args.metrics_port}", file=sys.stderr)
@@ -131,11 +138,14 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
     async def main() -> dict:
-        async with head_node(args.bootstrap, link_profile(args)) as (node, _legs):
+        async with head_node(args.bootstrap, link_profile(args), listen=args.listen) as (node, _legs):
             num_layers = args.num_layers
             if num_layers is None:
                 recs = await fetch_records(node, args.model, 0)
                 num_layers = max((r.end for r in recs), default=0)
+            if num_layers == 0:  # nobody announces the model: nothing to plan over
+                return {"model": args.model, "num_layers": 0, "peers": [], "coverage": [], "route": None,
+                        "missing_blocks": [], "error": f"no peer announces {args.model!r} (yet)"}
             view = await survey(node, args.model, num_layers)
             return view.report(args.model, num_layers)
 
@@ -153,11 +163,12 @@ def print_route_report(report: dict) -> None:
 
     console = Console()
     table = Table(title=f"peers serving {report['model']} ({report['num_layers']} layers)")
-    for col in ("peer", "blocks", "throughput", "RTT ms", "cache left", "version"):
+    for col in ("peer", "blocks", "throughput", "RTT ms", "reachability", "link", "cache left", "version"):
         table.add_column(col)
     for p in report["peers"]:
         table.add_row(p["peer_id"][-12:], f"{p['start']}:{p['end']}", f"{p['throughput']:.1f}",
-                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}", str(p["cache_tokens_left"]), str(p["version"]))
+                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}", p["reachability"], p["link"] or "-",
+                      str(p["cache_tokens_left"]), str(p["version"]))
     console.print(table)
     cover = report["coverage"]
     console.print("coverage: " + " ".join(str(c) if c else "[red]0[/red]" for c in cover))

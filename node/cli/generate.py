@@ -175,7 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
-            on_tokens=on_tokens, target=target,
+            on_tokens=on_tokens, target=target, listen=args.listen,
         ))
     except GenerationFailed as exc:
         failure = exc.failure

@@ -33,9 +33,14 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto", help="compute dtype, whatever the store holds (cast at load): auto = bfloat16 on CUDA GPUs that support it, float16 on other GPUs, float32 on the CPU (bit-exact; default auto)")
 
 
+def add_listen_option(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help=f"{whose} listen address (default /ip4/127.0.0.1/tcp/0; behind a NAT, the LAN address lets hole punching reuse its port)")
+
+
 def add_head_options(p: argparse.ArgumentParser, store_help: str) -> None:
     """What every head role needs: the swarm to join, and its target's store or the model to fetch it as."""
     p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a peer of the swarm (repeatable)")
+    add_listen_option(p, "the head's")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--store", type=Path, metavar="TARGET_STORE", help=store_help)
     target.add_argument("--model", default=None, metavar="MODEL_ID", help="no local store: fetch the head's files (and --blocks' layers) from peers, checked against --manifest-sha256")

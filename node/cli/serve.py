@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     cfg = ServeConfig(
         bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,
-        queue=args.queue, api_key=api_key, link=link_profile(args), identity=args.identity, refresh_s=args.refresh,
+        queue=args.queue, api_key=api_key, link=link_profile(args), identity=args.identity, listen=args.listen, refresh_s=args.refresh,
         ready_file=args.ready_file,
     )
     try:

@@ -43,6 +43,8 @@ class DaemonConfig:
     topk_codec: str = "fp16"  # federated: probability codec of the top-K answers
     metrics_port: int | None = None  # serve Prometheus metrics at http://metrics_host:port/metrics (0: any free port)
     metrics_host: str = DEFAULT_METRICS_HOST
+    reachability: str = "auto"  # auto (AutoNAT dial-backs) | public | private (reached through relays)
+    relay: bool | None = None  # serve circuit relay v2; None: only a bootstrap-only node does
 
 
 def parse_blocks(text: str, num_layers: int) -> tuple[int, int]:

@@ -19,6 +19,8 @@ import trio
 from dsd.discovery.announce import Announcer
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import load_or_create_identity
+from dsd.discovery.nat import NatOptions
+from dsd.discovery.relays import keep_relays, relay_announcer
 from dsd.shard_store.errors import StoreError
 from dsd.shard_store.files import atomic_write_bytes
 
@@ -48,8 +50,10 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
         cfg = prepared.cfg
     key_pair = load_or_create_identity(cfg.identity)
     failure: Exception | None = None
+    relay = cfg.relay if cfg.relay is not None else not (cfg.store or cfg.fetch)
     async with open_peer(
-        key_pair, cfg.bootstrap, cfg.link, listen=cfg.listen, seed=cfg.seed, allow_peers=cfg.allow_peers
+        key_pair, cfg.bootstrap, cfg.link, listen=cfg.listen, seed=cfg.seed, allow_peers=cfg.allow_peers,
+        nat=NatOptions(cfg.reachability, relay),
     ) as peer, trio.open_nursery() as nursery:
         try:
             info, server, announcer = await _start_serving(cfg, peer, nursery, prepared)
@@ -70,7 +74,12 @@ async def _start_serving(
     the block server and the announcer (None for what this peer does not run). A span that does not fit
     (ValueError), a store that cannot load (StoreError) or a metrics port that cannot be bound (OSError) fail."""
     node = peer.node
-    info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid()}
+    if node.reachability == "private":  # behind a NAT: slots on relays first, so the first record is reachable
+        await nursery.start(keep_relays, node)
+    if node.nat is not None and node.nat.options.relay:
+        await nursery.start(relay_announcer(node, cfg.record_ttl_s).run)
+    info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid(),
+                  "reachability": node.reachability, "relay": bool(node.nat and node.nat.options.relay)}
     server: BlockServer | None = None
     announcer: Announcer | None = None
     if prepared is not None:

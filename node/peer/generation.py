@@ -138,12 +138,13 @@ async def generate_from_fresh_head(
     target: Target | None = None,
     tokenizer: Any = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    listen: list[str] | None = None,
 ) -> GenerationReport:
     """Join the swarm as a new head, generate once (see `generate_over_swarm`), leave. `GenerationFailed` is
     raised outside the node's nursery."""
     failure: GenerationFailed | None = None
     target = target or RouteTarget()
-    async with head_node(bootstrap, link, seed=seed) as (node, legs):
+    async with head_node(bootstrap, link, seed=seed, listen=listen) as (node, legs):
         local = target.local_blocks if isinstance(target, RouteTarget) else None
         swarm = None if isinstance(target, FederatedTarget) else swarm_watch(node, setup, local)
         try:

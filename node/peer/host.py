@@ -18,6 +18,7 @@ from libp2p.crypto.keys import KeyPair
 
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import load_or_create_identity
+from dsd.discovery.nat import NatOptions
 from dsd.discovery.ping import install_ping_handler
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.route.legs import ReturnLegs
@@ -48,9 +49,11 @@ async def open_peer(
     seed: int | None = None,
     allow_peers: set[str] | None = None,
     dht_server: bool = True,
+    nat: NatOptions | None = None,
 ) -> AsyncIterator[Peer]:
     """Start the shaper and the libp2p node, install ping and the infer dispatcher; stop both on exit.
     `dht_server` False: a DHT client, which stores and serves no records (a head: it comes and goes).
+    `nat`: how it deals with NATs (default: learn its reachability, serve no relay; it dials relayed peers).
 
     A failure to start (no bootstrap peer reachable, say) and an error of the `async with` block come
     out as themselves, not wrapped in an exception group, so callers catch them by type."""
@@ -61,7 +64,7 @@ async def open_peer(
         await nursery.start(shaper.run)
         async with P2PNode(
             key_pair, list(listen or DEFAULT_LISTEN), bootstrap, stream_wrapper=shaper.wrap, allow_peers=allow_peers,
-            dht_server=dht_server,
+            dht_server=dht_server, nat=nat or NatOptions(),
         ) as node:
             install_ping_handler(node)
             node.set_handler(INFER_PROTOCOL, dispatcher)

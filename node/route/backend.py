@@ -98,9 +98,11 @@ class RouteBackend(TargetBackend):
         client, local = self.client, self.local
         hops = client.hops
         mine = None if local is None else (local.start, local.end)
+        links = client.session.links if client.session is not None else []
         return RouteRecord(
             route=[h.peer_id for h in hops], spans=[(h.start, h.end) for h in hops],
-            hops=ring_hops(hops, client.node.peer_id, mine), bytes_sent=client.bytes_sent,
+            hops=ring_hops(hops, client.node.peer_id, mine, links[: len(hops)]), bytes_sent=client.bytes_sent,
+            return_link=links[len(hops)] if len(links) > len(hops) else None,
             bytes_received=client.bytes_received, head_compute_s=self.head_compute_s, failovers=list(client.events),
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +17,18 @@ class RingHop:
     start: int
     end: int
     local: bool = False
+    link: str | None = None  # how the leg into this hop travels: direct | relayed | hole-punched (None: unknown)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "start": self.start, "end": self.end, "local": self.local}
+        return {"peer_id": self.peer_id, "start": self.start, "end": self.end, "local": self.local, "link": self.link}
 
 
-def ring_hops(hops: Iterable[Any], head_peer_id: str, local: tuple[int, int] | None) -> list[RingHop]:
+def ring_hops(
+    hops: Iterable[Any], head_peer_id: str, local: tuple[int, int] | None, links: Sequence[str | None] = ()
+) -> list[RingHop]:
     """Every hop of the ring in order: the route's hops (anything with peer_id, start and end) and the head's own
-    span `local` (the model's first layers or its last), if any."""
-    out = [RingHop(h.peer_id, h.start, h.end) for h in hops]
+    span `local` (the model's first layers or its last), if any; `links[i]`: how the leg into hop i travels."""
+    out = [RingHop(h.peer_id, h.start, h.end, link=links[i] if i < len(links) else None) for i, h in enumerate(hops)]
     if local is not None:
         out.insert(0 if local[0] == 0 else len(out), RingHop(head_peer_id, local[0], local[1], True))
     return out
@@ -42,12 +45,14 @@ class RouteRecord:
     bytes_received: int = 0
     head_compute_s: float = 0.0
     failovers: list[FailoverEvent] = field(default_factory=list)
+    return_link: str | None = None  # how the last peer's leg back to the head travels
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "route": list(self.route),
             "spans": [list(s) for s in self.spans],
             "hops": [h.as_dict() for h in self.hops],
+            "return_link": self.return_link,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "head_compute_s": round(self.head_compute_s, 4),

@@ -97,6 +97,7 @@ class RouteSession:
         self.open_timeout_s = open_timeout_s
         self.id = session_id or secrets.token_hex(8)
         self.traffic = Traffic()
+        self.links: list[str | None] = []  # once open: the leg into each hop, then the leg back to the head
         self.hidden_size: int | None = None  # width of the hidden states sent (for trial windows)
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
@@ -129,6 +130,7 @@ class RouteSession:
         route = tuple(self.hops[1:]) + (self.head_hop(),)
         try:
             with trio.fail_after(self.open_timeout_s):
+                await self._connect_last_peer()
                 self._stream = await self.node.open(first.peer_id, first.addrs, INFER_PROTOCOL)
                 self.traffic.watch(self._stream)
                 await self._stream.send(
@@ -139,6 +141,7 @@ class RouteSession:
                     raise RouteError(f"opening session: {reply.message}", peer=first.peer_id, code=reply.code)
                 if not isinstance(reply, Ack):
                     raise RouteError(f"first peer answered {type(reply).__name__}", peer=first.peer_id)
+                self.links = [self.node.link_kind(first.peer_id), *reply.links]
                 leg = await self._next_message()
                 if not isinstance(leg, Ack):
                     raise RouteError(f"return leg opened with {type(leg).__name__}", peer=self.hops[-1].peer_id)
@@ -149,6 +152,17 @@ class RouteSession:
             raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id) from exc
         except (EOFError, ProtocolError, OSError) as exc:
             raise RouteError(f"opening the route failed: {exc!r}", peer=first.peer_id) from exc
+
+    async def _connect_last_peer(self) -> None:
+        """Connect to the route's last peer before opening it: its return leg then comes back over this
+        connection, which works when this head sits behind a NAT that nobody can dial into."""
+        last = self.hops[-1]
+        if last.peer_id in (self.hops[0].peer_id, self.node.peer_id):
+            return
+        try:
+            await self.node.connect(last.peer_id, last.addrs)
+        except Exception as exc:
+            raise RouteError(f"cannot reach the last peer {last.peer_id}: {exc!r}", peer=last.peer_id) from exc
 
     async def _watch_first_stream(self) -> None:
         """Errors relayed back along the chain arrive on the first stream; hand them to the inbox."""

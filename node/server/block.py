@@ -77,6 +77,7 @@ class Session:
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
     liveness: Liveness = field(default_factory=Liveness)
+    links: tuple[str, ...] = ()  # how the legs from here to the head travel (direct | relayed | hole-punched)
 
     @property
     def id(self) -> str:
@@ -190,7 +191,7 @@ class BlockServer:
                     nursery.start_soon(self._relay_back, session, upstream)
                 nursery.start_soon(watch_upstream, self.node, remote, session.liveness, self.limits, session.scope)
                 try:
-                    await upstream.send(Ack(session.id, 0))
+                    await upstream.send(Ack(session.id, 0, session.links))
                     with session.scope:
                         await self._session_loop(session, upstream)
                     if session.scope.cancelled_caught and session.liveness.lost is not None:
@@ -250,7 +251,7 @@ class BlockServer:
             raise SessionError("bad_request", "route is empty: it must end with the head")
         self.ledger.admit(key, remote, msg.max_len)
         try:
-            downstream, nxt = await self._open_next_hop(msg)
+            downstream, nxt, links = await self._open_next_hop(msg)
         except BaseException:
             self.ledger.release(key)
             raise
@@ -258,12 +259,15 @@ class BlockServer:
         span = self._span_for(msg.start, msg.end)
         state = SessionState(msg.session, msg.max_len, self.limits.max_window)
         session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote)
+        session.links = links
         self.sessions[key] = session
         return session
 
-    async def _open_next_hop(self, msg: OpenSession) -> tuple[FramedStream, Hop]:
-        """Open the stream to the route's next hop: the head (last hop) gets an Ack, a peer the rest of the route."""
+    async def _open_next_hop(self, msg: OpenSession) -> tuple[FramedStream, Hop, tuple[str, ...]]:
+        """Open the stream to the route's next hop: the head (last hop) gets an Ack, a peer the rest of the route.
+        Also how the legs from here to the head travel (this one's link, then those the next hop reported)."""
         nxt: Hop = msg.route[0]
+        further: tuple[str, ...] = ()
         try:
             with trio.fail_after(self.limits.open_timeout_s):
                 downstream = await self.node.open(nxt.peer_id, nxt.addrs, INFER_PROTOCOL)
@@ -284,13 +288,14 @@ class BlockServer:
                         raise SessionError(
                             "bad_request", f"next hop answered {type(reply).__name__}, expected Ack", nxt.peer_id
                         )
+                    further = reply.links
         except SessionError:
             raise
         except Exception as exc:  # timeout, refused connection, reset, bad frame
             raise SessionError(
                 "unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}", nxt.peer_id
             ) from exc
-        return downstream, nxt
+        return downstream, nxt, (self.node.link_kind(nxt.peer_id) or "direct", *further)
 
     def _span_for(self, start: int, end: int) -> SpanModule:
         """The served span or a weight-sharing sub-span of it (a route may use part of our layers)."""

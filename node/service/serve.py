@@ -58,6 +58,7 @@ class ServeConfig:
     api_key: str | None = None
     link: LinkProfile = field(default_factory=LinkProfile)
     identity: Path | None = None
+    listen: list[str] | None = None  # the head's libp2p listen addresses (default loopback)
     refresh_s: float = DEFAULT_REFRESH_S
     graceful_s: float = 3.0
     ready_file: Path | None = None
@@ -93,7 +94,7 @@ async def run_service(
              "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
     shutdown = trio.Event() if shutdown is None else shutdown
     # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group
-    async with head_node(cfg.bootstrap, cfg.link, identity=cfg.identity, seed=cfg.seed) as (node, legs):
+    async with head_node(cfg.bootstrap, cfg.link, identity=cfg.identity, seed=cfg.seed, listen=cfg.listen) as (node, legs):
         async with owned_nursery() as nursery:
             admission = Admission(cfg.max_concurrent, cfg.queue)
             metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting)

@@ -7,7 +7,7 @@ it starts from the state a fresh interpreter has after those imports, since the 
 else), and leaves through `dsd.node.cli.run`. Its output goes to files the caller reads.
 
 Protocol on the server's stdin/stdout, one JSON object a line: the caller sends
-{"argv", "cwd", "env", "stdout", "stderr", "daemon"}; the server answers {"pid"} at once and, for a
+{"argv", "cwd", "env", "stdout", "stderr", "daemon"} and optionally "netns" (run the child inside that network namespace); the server answers {"pid"} at once and, for a
 command (not a daemon), {"pid", "returncode"} when the child has ended (killed children included).
 A daemon (`dsd-node start`, `serve`) runs in a session of its own, appending to its log; the server
 reaps it whenever it has ended, and its caller stops it like any daemon.
@@ -43,6 +43,10 @@ def _child(request: dict) -> None:
     from dsd.node.testnet.processes import run_in_child
 
     def program(argv: list[str]) -> None:  # inside run_in_child's guard: any failure ends only this child
+        if request.get("netns"):  # a machine of a NAT testbed (support/nat_testbed.py)
+            from nat_testbed import enter_netns
+
+            enter_netns(request["netns"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

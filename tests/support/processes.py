@@ -41,7 +41,7 @@ class ForkServer:
             self.replies.put(json.loads(line))
         self.replies.put(None)
 
-    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float, netns: str | None = None) -> subprocess.CompletedProcess:
         """Run `dsd-node ARGV` in a forked child; its output and exit code, or TimeoutExpired (the child killed)."""
         import tempfile
 
@@ -50,7 +50,7 @@ class ForkServer:
         with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "stdout": str(out), "stderr": str(err),
-                       "daemon": False}
+                       "daemon": False, "netns": netns}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             started = self.replies.get(timeout=60)
@@ -66,7 +66,7 @@ class ForkServer:
             return subprocess.CompletedProcess(cmd, done["returncode"], out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
 
-    def start(self, name: str, argv: list[str], state: Path):
+    def start(self, name: str, argv: list[str], state: Path, netns: str | None = None):
         """Start the daemon `dsd-node -v ARGV` in a forked child of its own session, its log in STATE/logs/NAME.log
         (`dsd.node.testnet.processes.spawn` without the imports); its process, which `stop_processes` stops."""
         from dsd.node.testnet.processes import PeerProcess, log_path_of, process_start
@@ -74,7 +74,7 @@ class ForkServer:
         assert self.proc.stdin is not None
         log = str(log_path_of(state, name))
         request = {"argv": ["-v", *argv], "cwd": os.getcwd(), "env": dict(os.environ), "stdout": log, "stderr": log,
-                   "daemon": True}
+                   "daemon": True, "netns": netns}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         started = self.replies.get(timeout=60)
