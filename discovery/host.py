@@ -159,7 +159,7 @@ class P2PNode:
         if self.nat_options is None:
             yield
             return
-        self.nat = NatTraversal(self.host, self.nat_options)
+        self.nat = NatTraversal(self.host, self.nat_options, self.stream_wrapper)
         async with self.nat.running():
             yield
 

@@ -22,6 +22,7 @@ class _DropLibp2pNoise(logging.Filter):
         "Failed to fetch stored addresses",
         "Error handling stop stream",
         "Error handling AutoNAT stream",
+        "Unexpected error opening TCP stream",  # a punch or redial trying an address a NAT never answers
         "Hole punch",
         "hole punch",
     )

@@ -51,6 +51,20 @@ DIAL_TIMEOUT_S = 8.0
 RELAY_IDLE_CHECK_S = 5.0
 
 
+class ShapedRelay(CircuitV2Protocol):
+    """Circuit relay v2 whose forwarded bytes cross this node's emulated WAN link (`stream_wrapper`), so a relayed
+    leg costs two links' latency, as through a real relay; without a wrapper it is the library's relay."""
+
+    def __init__(self, *args: Any, stream_wrapper: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stream_wrapper = stream_wrapper
+
+    async def _relay_data(self, src_stream: Any, dst_stream: Any, *args: Any, **kwargs: Any) -> None:
+        if self.stream_wrapper is not None:
+            dst_stream = self.stream_wrapper(dst_stream)
+        await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
+
+
 class HonestAutoNAT(AutoNATService):
     """AutoNAT v1 whose dial-back opens a new TCP connection to the address asked about.
 
@@ -132,9 +146,10 @@ class _SeenRelayed:
 
 class NatTraversal:
     """The NAT services of one running host: AutoNAT (server and client), relay v2 (hop if `relay`, stop and
-    client always), DCUtR. `running()` starts them; the node calls `learn_reachability`, `reserve`, `dial`."""
+    client always), DCUtR. `running()` starts them; the node calls `learn_reachability`, `reserve`, `dial`.
+    `stream_wrapper` (the emulated WAN) delays what the relay forwards."""
 
-    def __init__(self, host: Any, options: NatOptions) -> None:
+    def __init__(self, host: Any, options: NatOptions, stream_wrapper: Any = None) -> None:
         self.host = host
         self.options = options
         self.reachability = options.reachability if options.reachability != "auto" else "unknown"
@@ -144,7 +159,7 @@ class NatTraversal:
         self._punching: set[str] = set()
         self._nursery: trio.Nursery | None = None
         roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if options.relay else RelayRole(0))
-        self.relay = CircuitV2Protocol(host, RELAY_LIMITS, allow_hop=options.relay)
+        self.relay = ShapedRelay(host, RELAY_LIMITS, allow_hop=options.relay, stream_wrapper=stream_wrapper)
         self.transport = CircuitV2Transport(host, self.relay, RelayConfig(roles=roles, limits=RELAY_LIMITS))
         self.dcutr = PatientDCUtR(host)
         self.autonat = HonestAutoNAT(host, serve=True)

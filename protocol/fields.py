@@ -31,6 +31,7 @@ class _Field:
     decode: Check | None = None
     encode: Callable[[Any], Any] | None = None
     optional: bool = False  # may be missing on the wire (has a default)
+    omit_default: bool = False  # left off the wire while it has its default (a field added to an old message)
 
 
 def _session(v: Any, f: str, lim: Limits) -> str:

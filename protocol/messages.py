@@ -162,6 +162,8 @@ class Message:
         out: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": self.TYPE}
         for f in self.FIELDS:
             value = getattr(self, f.name)
+            if f.omit_default and value == self.__dataclass_fields__[f.name].default:
+                continue
             out[f.name] = f.encode(value) if f.encode is not None else value
         return out
 
@@ -327,7 +329,8 @@ class Ack(Message):
 
     TYPE: ClassVar[str] = "ack"
     FIELDS: ClassVar[tuple[_Field, ...]] = (
-        _Field("session", _session), _Field("length", _pos), _seq_field("links", _idents, optional=True)
+        _Field("session", _session), _Field("length", _pos),
+        _Field("links", _idents, encode=_seq_encode, optional=True, omit_default=True),
     )
     session: str
     length: int

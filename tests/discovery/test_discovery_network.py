@@ -373,7 +373,7 @@ def test_records_survive_departed_nodes_closest_to_their_key() -> None:
                 for node in (boot, peers[0][0], peers[1][0]):
                     for info in gone:
                         node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
-                        await node.dht.routing_table.add_peer(info)
+                        assert await node.dht.add_server(info.peer_id)
                 await trio.sleep(7)  # every record stored before has expired; two refreshes went out since
                 async with P2PNode(create_new_key_pair(), bootstrap=[boot_addr]) as head:
                     found = spans(await fetch_records(head, MODEL, 8))
@@ -396,12 +396,36 @@ def test_departed_nodes_leave_the_routing_table_and_live_ones_stay() -> None:
                 gone = departed_peers(record_key(MODEL), 5)
                 for info in gone:
                     boot.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
-                    await boot.dht.routing_table.add_peer(info)
-                await boot.dht.add_peer(ID.from_base58(peer.peer_id), skip_server_mode_check=True)
+                    assert await boot.dht.add_server(info.peer_id)
+                await boot.dht.add_server(ID.from_base58(peer.peer_id))
                 await boot.host.disconnect(ID.from_base58(peer.peer_id))
                 listed = set(boot.dht.routing_table.get_peer_ids())
                 assert {i.peer_id for i in gone} <= listed and ID.from_base58(peer.peer_id) in listed
                 await boot._drop_departed()
                 assert set(boot.dht.routing_table.get_peer_ids()) == {ID.from_base58(peer.peer_id)}
+
+    trio.run(main)
+
+
+def test_dht_clients_never_enter_a_routing_table_and_servers_do() -> None:
+    """A head (a DHT client) that asks a node for records and closest peers is not listed by it: listed, every
+    lookup would be handed its address, which nobody can dial once it has left or when it sits behind a NAT.
+    A node that serves the DHT is listed once identify has shown it."""
+    from libp2p.peer.id import ID
+
+    from dsd.discovery.records import record_key
+
+    async def main() -> None:
+        with trio.fail_after(40):
+            async with P2PNode(create_new_key_pair()) as boot:
+                async with P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]], dht_server=False) as head:
+                    for _ in range(3):
+                        await head.get_records(record_key(MODEL))
+                        await head._refresh_table()
+                    assert ID.from_base58(head.peer_id) not in boot.dht.routing_table.get_peer_ids()
+                async with P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as server:
+                    while ID.from_base58(server.peer_id) not in boot.dht.routing_table.get_peer_ids():
+                        await server._refresh_table()
+                        await trio.sleep(0.2)
 
     trio.run(main)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from support.models import hf_greedy
-from support.nat_testbed import NatTestbed, nat_testbed_missing
 from support.processes import ForkServer
 from transformers import AutoModelForCausalLM
 
+from dsd.node.testnet.nat_testbed import NatTestbed, nat_testbed_missing
 from dsd.node.testnet.processes import stop_processes, wait_ready
 
 pytestmark = pytest.mark.network
@@ -121,3 +121,56 @@ def test_nated_peers_serve_through_relays_and_punch_when_the_nat_allows(
             assert ring == (["relayed"] if symmetric else ["hole-punched"]), _links(second)
         finally:
             swarm.stop()
+
+
+def test_a_relay_killed_mid_generation_is_a_failover_through_the_other_relay(
+    tiny_qwen2_root: Path, reference: list[int], tmp_path: Path
+) -> None:
+    """Symmetric NATs: every leg stays relayed. The relay the route's circuits go through is killed while the
+    generation runs; the route is opened again through each peer's second relay and the output is exact."""
+    if (why := _missing()) is not None:
+        pytest.fail(f"the NAT testbed cannot be built: {why}")
+    store, wan = tiny_qwen2_root / "store", ["--wan-latency-ms", "60"]
+    with NatTestbed() as tb:
+        tb.public("boot"), tb.public("relay2")
+        for name in ("p1", "p2", "head"):
+            tb.home(name, symmetric=True)
+        swarm = NatSwarm(tb, tmp_path)
+        try:
+            boot = swarm.start("boot", "--bootstrap-only", *wan)
+            relay2 = swarm.start("relay2", "--bootstrap-only", "--bootstrap", boot["addrs"][0], *wan)
+            peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
+                                 "--threads", "1", *wan) for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
+            _route_peers(swarm, relay2["addrs"][0], {p["peer_id"] for p in peers})
+            used = peers[0]["addrs"][0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1]  # the head dials this first
+            victim = next(p for p in swarm.procs if p.name == ("boot" if used == boot["peer_id"] else "relay2"))
+            head = ForkServer.session().start("head", [
+                "generate", "--bootstrap", boot["addrs"][0], "--bootstrap", relay2["addrs"][0], "--store", str(store),
+                "--draft", "ngram", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16",
+                "--mode", "ar", "--json", "--listen", f"/ip4/{tb.hosts['head'].ip}/tcp/{PORT}", *wan,
+            ], tmp_path, netns=tb.hosts["head"].netns)
+            log = Path(head.log)
+            deadline = time.monotonic() + 60
+            while "open over" not in _text(log) and time.monotonic() < deadline:  # the route is open
+                time.sleep(0.2)
+            time.sleep(1.0)
+            stop_processes([victim])
+            while _alive(head.pid) and time.monotonic() < deadline + 120:
+                time.sleep(0.5)
+            report = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
+            assert report["tokens"] == reference[:16], log.read_text()[-3000:]
+            assert report["failovers"] >= 1, log.read_text()[-3000:]
+        finally:
+            swarm.stop()
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

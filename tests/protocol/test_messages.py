@@ -416,3 +416,12 @@ def test_tree_checks_apply_at_build_and_under_the_decoders_limits() -> None:
     assert ei.value.field == "Forward.keep[3]"
     with pytest.raises(ValueError, match="max_tree_nodes"):
         Limits(max_tree_nodes=2048)
+
+
+def test_ack_links_round_trip_and_an_ack_without_them_keeps_its_old_wire_form() -> None:
+    ack = Ack("s1", 0, ("hole-punched", "relayed", "direct"))
+    assert msgpack.unpackb(encode(ack)[4:])["links"] == ["hole-punched", "relayed", "direct"]
+    assert FrameDecoder().feed(encode(ack)) == [ack]
+    assert "links" not in msgpack.unpackb(encode(Ack("s1", 0))[4:])
+    with pytest.raises(ProtocolError):
+        Ack("s1", 0, ("no spaces allowed",)).validate(Limits())

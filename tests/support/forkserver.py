@@ -43,8 +43,8 @@ def _child(request: dict) -> None:
     from dsd.node.testnet.processes import run_in_child
 
     def program(argv: list[str]) -> None:  # inside run_in_child's guard: any failure ends only this child
-        if request.get("netns"):  # a machine of a NAT testbed (support/nat_testbed.py)
-            from nat_testbed import enter_netns
+        if request.get("netns"):  # a machine of a NAT testbed (dsd.node.testnet.nat_testbed)
+            from dsd.node.testnet.nat_testbed import enter_netns
 
             enter_netns(request["netns"])
         os.chdir(request["cwd"])
