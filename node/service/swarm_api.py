@@ -46,6 +46,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
             "throughput": p["throughput"], "rtt_ms": p["rtt_ms"], "cache_tokens_left": p["cache_tokens_left"],
             "version": p["version"], "dtype": p["dtype"], "alive": alive, "in_route": p["peer_id"] in route,
             "last_seen_unix": seen, "state": "alive" if alive else "unreachable",
+            "reachability": p.get("reachability", "unknown"), "link": p.get("link"),
         })
     listed = {p["peer_id"] for p in peers}
     for peer_id, (rec, seen) in sorted(state.swarm.last_alive.items(), key=lambda kv: (kv[1][0].start, kv[0])):
@@ -54,7 +55,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "peer_id": peer_id, "short_id": short_id(peer_id), "start": rec.start, "end": rec.end,
                 "throughput": rec.throughput, "rtt_ms": None, "cache_tokens_left": rec.cache_tokens_left,
                 "version": rec.version, "dtype": rec.dtype, "alive": False, "in_route": False,
-                "last_seen_unix": seen, "state": "gone",
+                "last_seen_unix": seen, "state": "gone", "reachability": rec.reachability, "link": None,
             })
     return peers
 

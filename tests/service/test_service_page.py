@@ -139,6 +139,7 @@ def test_page_shows_peers_route_coverage_and_requests(chromium: str, server: dic
     assert sorted(dom.text(c) for c in cells) == sorted(shorts), [dom.text(c) for c in cells]
     assert {c["attrs"]["title"] for c in cells} == {p["peer_id"] for p in peers}  # the full id on hover
     assert [dom.text(e) for e in dom.with_class("alive")] == ["alive"] * len(peers)
+    assert [dom.text(e) for e in dom.with_class("reach")] == ["public"] * len(peers)  # AutoNAT dialled them back
     route = dom.by_id("route")
     want = " → ".join(f"{p['peer_id'][-SHORT:]} [{p['start']}:{p['end']}]" for p in peers)
     assert f"head → {want} → head" in route, route
