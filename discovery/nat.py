@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,18 +51,34 @@ DIAL_TIMEOUT_S = 8.0
 RELAY_IDLE_CHECK_S = 5.0
 
 
-class ShapedRelay(CircuitV2Protocol):
-    """Circuit relay v2 whose forwarded bytes cross this node's emulated WAN link (`stream_wrapper`), so a relayed
-    leg costs two links' latency, as through a real relay; without a wrapper it is the library's relay."""
+class _Unshared(dict):
+    """A dict that keeps nothing: the library's table of circuits by peer id (see CircuitRelay)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+class CircuitRelay(CircuitV2Protocol):
+    """Circuit relay v2, corrected and shaped.
+
+    The library files each circuit under a peer id (its source's, then its destination's) and, when either
+    direction of any circuit ends, closes whatever circuit is filed under that id: the end of one head's
+    circuit to a peer cut that peer's live circuit to the next peer (seen as failovers on symmetric NATs).
+    Here each circuit closes its own two streams and nothing else. Forwarded bytes cross this node's emulated WAN
+    link (`stream_wrapper`), so a relayed leg costs two links' latency, as through a real relay."""
 
     def __init__(self, *args: Any, stream_wrapper: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stream_wrapper = stream_wrapper
+        self._active_relays = _Unshared()
 
     async def _relay_data(self, src_stream: Any, dst_stream: Any, *args: Any, **kwargs: Any) -> None:
-        if self.stream_wrapper is not None:
-            dst_stream = self.stream_wrapper(dst_stream)
-        await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
+        try:
+            out = self.stream_wrapper(dst_stream) if self.stream_wrapper is not None else dst_stream
+            await super()._relay_data(src_stream, out, *args, **kwargs)
+        finally:  # one direction ended: end this circuit (the other direction's read then ends too)
+            await self._close_stream(src_stream)
+            await self._close_stream(dst_stream)
 
 
 class HonestAutoNAT(AutoNATService):
@@ -116,10 +132,12 @@ def _kind(conn: Any) -> str:
 
 @dataclass
 class NatOptions:
-    """How a node deals with NATs: `reachability` auto (ask AutoNAT) | public | private; `relay`: serve circuit relay v2."""
+    """How a node deals with NATs: `reachability` auto (ask AutoNAT) | public | private; `relay`: serve circuit relay
+    v2; `punch`: upgrade relayed connections by hole punching (off: they stay relayed, a baseline to measure)."""
 
     reachability: str = "auto"
     relay: bool = False
+    punch: bool = True
 
     def __post_init__(self) -> None:
         if self.reachability not in REACHABILITY_MODES:
@@ -159,7 +177,7 @@ class NatTraversal:
         self._punching: set[str] = set()
         self._nursery: trio.Nursery | None = None
         roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if options.relay else RelayRole(0))
-        self.relay = ShapedRelay(host, RELAY_LIMITS, allow_hop=options.relay, stream_wrapper=stream_wrapper)
+        self.relay = CircuitRelay(host, RELAY_LIMITS, allow_hop=options.relay, stream_wrapper=stream_wrapper)
         self.transport = CircuitV2Transport(host, self.relay, RelayConfig(roles=roles, limits=RELAY_LIMITS))
         self.dcutr = PatientDCUtR(host)
         self.autonat = HonestAutoNAT(host, serve=True)
@@ -167,7 +185,9 @@ class NatTraversal:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[NatTraversal]:
-        async with background_trio_service(self.relay), background_trio_service(self.dcutr):
+        async with background_trio_service(self.relay), AsyncExitStack() as stack:
+            if self.options.punch:
+                await stack.enter_async_context(background_trio_service(self.dcutr))
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 try:
@@ -262,10 +282,14 @@ class NatTraversal:
     def punch_soon(self, pid: ID) -> None:
         """Try DCUtR toward `pid` in the background (a failed punch takes ~22 s: never on the critical path)."""
         peer = pid.to_base58()
-        if self._nursery is None or peer in self._punching:
+        if self._nursery is None or peer in self._punching or not self.options.punch:
             return
         self._punching.add(peer)
         self._nursery.start_soon(self._punch, pid)
+
+    def punching(self, peer_id: str) -> bool:
+        """Is a punch toward `peer_id` that we started still running?"""
+        return peer_id in self._punching
 
     async def _punch(self, pid: ID) -> None:
         started = trio.current_time()

@@ -99,12 +99,15 @@ def log_path_of(state_dir: Path, name: str) -> Path:
     return logs / f"{name}.log"
 
 
-def spawn(name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None) -> PeerProcess:
-    """Start one daemon in its own process group with its log in DIR/logs/NAME.log."""
+def spawn(
+    name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None, netns: str | None = None
+) -> PeerProcess:
+    """Start one daemon in its own process group with its log in DIR/logs/NAME.log (in the network namespace
+    `netns`, a machine of a NAT testbed, if given: `ip netns exec` becomes the daemon, so the pid is its own)."""
     log_path = log_path_of(state_dir, name)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
-            daemon_command(*args),
+            (["ip", "netns", "exec", netns] if netns else []) + daemon_command(*args),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
