@@ -12,6 +12,7 @@ tokens compared across placements (they must be equal: the NAT changes the path,
 
     python bench/nat.py --models tiny --latency-ms 50            # minutes
     python bench/nat.py --models real --latency-ms 50 --reps 1   # the default pair (about half an hour)
+    python bench/nat.py summarize bench/results/nat-real-DATE.json   # recompute a file's summary from its runs
 """
 
 from __future__ import annotations
@@ -207,9 +208,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     ref = {(g["problem"], g["rep"]): g["tokens"] for g in result["placements"].get("public", {}).get("generations", [])}
     same = [g["tokens"] == ref.get((g["problem"], g["rep"])) for d in result["placements"].values()
             for g in d["generations"] if (g["problem"], g["rep"]) in ref]
-    public = toks.get("public", {}).get("tokens_per_s_median")
-    for t in toks.values():
-        t["vs_public"] = round(t["tokens_per_s_median"] / public, 3) if public and t["tokens_per_s_median"] else None
+    public = {(g["problem"], g["rep"]): g for g in result["placements"].get("public", {}).get("generations", [])
+              if g["ok"]}
+    for kind, t in toks.items():  # paired by prompt and repetition: prompts differ far more than placements do
+        ratios = [g["tokens_per_s"] / public[(g["problem"], g["rep"])]["tokens_per_s"]
+                  for g in result["placements"][kind]["generations"] if g["ok"] and (g["problem"], g["rep"]) in public]
+        t["vs_public_paired"] = None if not ratios else {
+            "n": len(ratios), "median": round(statistics.median(ratios), 3),
+            "range": [round(min(ratios), 3), round(max(ratios), 3)]}
     return {"rtt": rtts, "punches": punches, "dsd": toks, "tokens_equal_to_public": f"{sum(same)}/{len(same)}"}
 
 
@@ -217,6 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["probe"]:
         return probe_main(argv[1:])
+    if argv[:1] == ["summarize"]:  # recompute a result file's summary from its raw runs
+        path = Path(argv[1])
+        result = json.loads(path.read_text())
+        result["summary"] = summarize(result)
+        write_json(path, result)
+        print(json.dumps(result["summary"], indent=1))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", choices=("tiny", "real"), default="tiny")
     p.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency of every machine's link")

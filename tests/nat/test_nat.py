@@ -4,8 +4,10 @@ Every process is a real `dsd-node` in its machine's namespace; output is checked
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from support.processes import ForkServer
 from transformers import AutoModelForCausalLM
 
 from dsd.node.testnet.nat_testbed import NatTestbed, nat_testbed_missing
-from dsd.node.testnet.processes import stop_processes, wait_ready
+from dsd.node.testnet.processes import pid_alive, stop_processes, wait_ready
 
 pytestmark = pytest.mark.network
 
@@ -23,11 +25,24 @@ PORT = 4001  # every machine has its own namespace, so each may listen on the sa
 PROMPT = [1, 17, 42, 99, 5, 17, 42, 99]
 
 
-def _missing() -> str | None:
+@contextlib.contextmanager
+def home_swarm(tmp_path: Path, symmetric: bool) -> Iterator[NatSwarm]:
+    """A testbed with a public bootstrap node's and a second relay's machines, and p1, p2 and the head each behind a
+    home NAT (symmetric or port-preserving); its `dsd-node` processes stopped and namespaces removed after."""
     why = nat_testbed_missing()
     if why == "needs root (network namespaces)":
         pytest.skip(why)
-    return why
+    if why is not None:  # the README test command installs iptables: missing, the NAT tests must not pass
+        pytest.fail(f"the NAT testbed cannot be built: {why}")
+    with NatTestbed() as tb:
+        tb.public("boot"), tb.public("relay2")
+        for name in ("p1", "p2", "head"):
+            tb.home(name, symmetric=symmetric)
+        swarm = NatSwarm(tb, tmp_path)
+        try:
+            yield swarm
+        finally:
+            swarm.stop()
 
 
 class NatSwarm:
@@ -87,40 +102,31 @@ def _links(report: dict) -> list[str | None]:
 def test_nated_peers_serve_through_relays_and_punch_when_the_nat_allows(
     tiny_qwen2_root: Path, reference: list[int], tmp_path: Path, symmetric: bool
 ) -> None:
-    if (why := _missing()) is not None:
-        pytest.fail(f"the NAT testbed cannot be built: {why}")
     store = tiny_qwen2_root / "store"
-    with NatTestbed() as tb:
-        tb.public("boot"), tb.public("relay2")
-        for name in ("p1", "p2", "head"):
-            tb.home(name, symmetric=symmetric)
-        swarm = NatSwarm(tb, tmp_path)
-        try:
-            boot = swarm.start("boot", "--bootstrap-only")
-            assert boot["relay"] and boot["reachability"] in ("unknown", "public")
-            relay2 = swarm.start("relay2", "--bootstrap-only", "--bootstrap", boot["addrs"][0])
-            assert relay2["reachability"] == "public"
-            peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
-                                 "--threads", "1", "--record-ttl", "6")
-                     for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
-            for p in peers:  # announced only through the two relays: never the LAN address, never 0.0.0.0
-                assert p["reachability"] == "private"
-                assert len(p["addrs"]) == 2 and all("/p2p-circuit/p2p/" + p["peer_id"] in a for a in p["addrs"])
-            listed = _route_peers(swarm, boot["addrs"][0], {p["peer_id"] for p in peers})
-            for p in peers:  # reached through a relay from the head's home, the RTT measured through it
-                assert listed[p["peer_id"]]["reachability"] == "private" and listed[p["peer_id"]]["rtt_ms"] is not None
-                assert listed[p["peer_id"]]["link"] in ("relayed", "hole-punched")
+    with home_swarm(tmp_path, symmetric) as swarm:
+        boot = swarm.start("boot", "--bootstrap-only")
+        assert boot["relay"] and boot["reachability"] in ("unknown", "public")
+        relay2 = swarm.start("relay2", "--bootstrap-only", "--bootstrap", boot["addrs"][0])
+        assert relay2["reachability"] == "public"
+        peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
+                             "--threads", "1", "--record-ttl", "6")
+                 for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
+        for p in peers:  # announced only through the two relays: never the LAN address, never 0.0.0.0
+            assert p["reachability"] == "private"
+            assert len(p["addrs"]) == 2 and all("/p2p-circuit/p2p/" + p["peer_id"] in a for a in p["addrs"])
+        listed = _route_peers(swarm, boot["addrs"][0], {p["peer_id"] for p in peers})
+        for p in peers:  # reached through a relay from the head's home, the RTT measured through it
+            assert listed[p["peer_id"]]["reachability"] == "private" and listed[p["peer_id"]]["rtt_ms"] is not None
+            assert listed[p["peer_id"]]["link"] in ("relayed", "hole-punched")
 
-            first = _generate(swarm, boot["addrs"][0], store)
-            assert first["tokens"] == reference
-            assert all(link in ("relayed", "hole-punched") for link in _links(first)), _links(first)
-            time.sleep(25)  # punches run in the background of the peers (and fail after ~22 s on a symmetric NAT)
-            second = _generate(swarm, boot["addrs"][0], store)
-            assert second["tokens"] == reference
-            ring = _links(second)[1:-1]  # the peer-to-peer legs: p1 -> p2 (the head's own legs are new each run)
-            assert ring == (["relayed"] if symmetric else ["hole-punched"]), _links(second)
-        finally:
-            swarm.stop()
+        first = _generate(swarm, boot["addrs"][0], store)
+        assert first["tokens"] == reference
+        assert all(link in ("relayed", "hole-punched") for link in _links(first)), _links(first)
+        time.sleep(25)  # punches run in the background of the peers (and fail after ~22 s on a symmetric NAT)
+        second = _generate(swarm, boot["addrs"][0], store)
+        assert second["tokens"] == reference
+        ring = _links(second)[1:-1]  # the peer-to-peer legs: p1 -> p2 (the head's own legs are new each run)
+        assert ring == (["relayed"] if symmetric else ["hole-punched"]), _links(second)
 
 
 def test_a_relay_killed_mid_generation_is_a_failover_through_the_other_relay(
@@ -128,49 +134,33 @@ def test_a_relay_killed_mid_generation_is_a_failover_through_the_other_relay(
 ) -> None:
     """Symmetric NATs: every leg stays relayed. The relay the route's circuits go through is killed while the
     generation runs; the route is opened again through each peer's second relay and the output is exact."""
-    if (why := _missing()) is not None:
-        pytest.fail(f"the NAT testbed cannot be built: {why}")
     store, wan = tiny_qwen2_root / "store", ["--wan-latency-ms", "60"]
-    with NatTestbed() as tb:
-        tb.public("boot"), tb.public("relay2")
-        for name in ("p1", "p2", "head"):
-            tb.home(name, symmetric=True)
-        swarm = NatSwarm(tb, tmp_path)
-        try:
-            boot = swarm.start("boot", "--bootstrap-only", *wan)
-            relay2 = swarm.start("relay2", "--bootstrap-only", "--bootstrap", boot["addrs"][0], *wan)
-            peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
-                                 "--threads", "1", *wan) for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
-            _route_peers(swarm, relay2["addrs"][0], {p["peer_id"] for p in peers})
-            used = peers[0]["addrs"][0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1]  # the head dials this first
-            victim = next(p for p in swarm.procs if p.name == ("boot" if used == boot["peer_id"] else "relay2"))
-            head = ForkServer.session().start("head", [
-                "generate", "--bootstrap", boot["addrs"][0], "--bootstrap", relay2["addrs"][0], "--store", str(store),
-                "--draft", "ngram", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16",
-                "--mode", "ar", "--json", "--listen", f"/ip4/{tb.hosts['head'].ip}/tcp/{PORT}", *wan,
-            ], tmp_path, netns=tb.hosts["head"].netns)
-            log = Path(head.log)
-            deadline = time.monotonic() + 60
-            while "open over" not in _text(log) and time.monotonic() < deadline:  # the route is open
-                time.sleep(0.2)
-            time.sleep(1.0)
-            stop_processes([victim])
-            while _alive(head.pid) and time.monotonic() < deadline + 120:
-                time.sleep(0.5)
-            report = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
-            assert report["tokens"] == reference[:16], log.read_text()[-3000:]
-            assert report["failovers"] >= 1, log.read_text()[-3000:]
-        finally:
-            swarm.stop()
+    with home_swarm(tmp_path, symmetric=True) as swarm:
+        tb = swarm.tb
+        boot = swarm.start("boot", "--bootstrap-only", *wan)
+        relay2 = swarm.start("relay2", "--bootstrap-only", "--bootstrap", boot["addrs"][0], *wan)
+        peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
+                             "--threads", "1", *wan) for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
+        _route_peers(swarm, relay2["addrs"][0], {p["peer_id"] for p in peers})
+        used = peers[0]["addrs"][0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1]  # the head dials this first
+        victim = next(p for p in swarm.procs if p.name == ("boot" if used == boot["peer_id"] else "relay2"))
+        head = ForkServer.session().start("head", [
+            "generate", "--bootstrap", boot["addrs"][0], "--bootstrap", relay2["addrs"][0], "--store", str(store),
+            "--draft", "ngram", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "16",
+            "--mode", "ar", "--json", "--listen", f"/ip4/{tb.hosts['head'].ip}/tcp/{PORT}", *wan,
+        ], tmp_path, netns=tb.hosts["head"].netns)
+        log = Path(head.log)
+        deadline = time.monotonic() + 60
+        while "open over" not in _text(log) and time.monotonic() < deadline:  # the route is open
+            time.sleep(0.2)
+        time.sleep(1.0)
+        stop_processes([victim])
+        while pid_alive(head.pid) and time.monotonic() < deadline + 120:
+            time.sleep(0.5)
+        report = json.loads(next(line for line in reversed(log.read_text().splitlines()) if line.startswith("{")))
+        assert report["tokens"] == reference[:16], log.read_text()[-3000:]
+        assert report["failovers"] >= 1, log.read_text()[-3000:]
 
 
 def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

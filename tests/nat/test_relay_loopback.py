@@ -5,6 +5,7 @@ AutoNAT; relays announce themselves; nothing announces an unspecified address.""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from support.models import hf_greedy
 from support.processes import DaemonSwarm, cli
 from transformers import AutoModelForCausalLM
+
+from dsd.node.testnet.processes import PeerProcess, stop_processes
 
 pytestmark = pytest.mark.network
 
@@ -47,6 +50,20 @@ def test_a_private_peer_serves_through_two_relays_on_loopback(tiny_qwen2_root: P
         assert report["tokens"] == hf_greedy(model, PROMPT, 12)
         links = [h["link"] for h in report["hops"]] + [report["return_link"]]
         assert links[0] == "direct" and all(link in ("direct", "relayed", "hole-punched") for link in links), links
+
+        # A relay goes away: the private peer takes a slot on another one and announces it instead.
+        relay3 = net.start("relay3", "--bootstrap-only", "--bootstrap", net.bootstrap)
+        stop_processes([PeerProcess.from_dict(relay2)])
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            out = cli("route", "--bootstrap", net.bootstrap, "--model", "tiny-qwen2", "--json")
+            addrs = {p["peer_id"]: p["addrs"] for p in json.loads(out.stdout)["peers"]}.get(private["peer_id"], [])
+            via = {a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1] for a in addrs}
+            if via == {net.bootstrap.rsplit("/p2p/", 1)[1], relay3["peer_id"]}:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"the private peer still announces {addrs} after its relay left")
 
 
 def test_start_help_documents_reachability_and_relay() -> None:
