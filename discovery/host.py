@@ -216,10 +216,11 @@ class P2PNode:
         """public | private | unknown (no NAT services: a loopback or LAN node, reachable where it listens)."""
         return "unknown" if self.nat is None else self.nat.reachability
 
-    def link_kind(self, peer_id: str) -> str | None:
-        """How streams to `peer_id` travel now: direct | hole-punched | relayed; None when not connected."""
+    def link_kind(self, peer_id: str, stream: FramedStream | None = None) -> str | None:
+        """How streams to `peer_id` (or `stream`, one of them) travel: direct | hole-punched | relayed; None when
+        not connected."""
         if self.nat is not None:
-            return self.nat.link_kind(peer_id)
+            return self.nat.link_kind(peer_id, None if stream is None else stream.stream)
         return "direct" if self._connections(ID.from_base58(peer_id))[1] else None
 
     # --- joining the DHT -------------------------------------------------------

@@ -308,10 +308,15 @@ class NatTraversal:
     def _open_conns(self, pid: ID) -> list[Any]:
         return [c for c in self.host.get_network().get_connections(pid) if not c.is_closed]
 
-    def link_kind(self, peer_id: str) -> str | None:
-        """How new streams to `peer_id` travel now: direct, hole-punched (direct, after a relay) or relayed;
-        None when not connected."""
-        kinds = {_kind(c) for c in self._open_conns(ID.from_base58(peer_id))}
+    def link_kind(self, peer_id: str, stream: Any = None) -> str | None:
+        """How new streams to `peer_id` travel now (or `stream`, a libp2p stream to it, travels: over the
+        connection it was opened on, which a punch that succeeds later does not change): direct, hole-punched
+        (direct, after a relay) or relayed; None when not connected."""
+        conns = self._open_conns(ID.from_base58(peer_id))
+        muxed = getattr(stream, "muxed_conn", None)
+        if muxed is not None:
+            conns = [c for c in conns if getattr(c, "muxed_conn", None) is muxed] or conns
+        kinds = {_kind(c) for c in conns}
         if "relayed" in kinds:
             self._seen_relayed.add(peer_id)
         if "direct" in kinds:

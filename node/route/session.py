@@ -141,7 +141,7 @@ class RouteSession:
                     raise RouteError(f"opening session: {reply.message}", peer=first.peer_id, code=reply.code)
                 if not isinstance(reply, Ack):
                     raise RouteError(f"first peer answered {type(reply).__name__}", peer=first.peer_id)
-                self.links = [self.node.link_kind(first.peer_id), *reply.links]
+                self.links = [self.node.link_kind(first.peer_id, self._stream), *reply.links]
                 leg = await self._next_message()
                 if not isinstance(leg, Ack):
                     raise RouteError(f"return leg opened with {type(leg).__name__}", peer=self.hops[-1].peer_id)

@@ -295,7 +295,7 @@ class BlockServer:
             raise SessionError(
                 "unreachable", f"cannot open the next hop {nxt.peer_id}: {type(exc).__name__}: {exc}", nxt.peer_id
             ) from exc
-        return downstream, nxt, (self.node.link_kind(nxt.peer_id) or "direct", *further)
+        return downstream, nxt, (self.node.link_kind(nxt.peer_id, downstream) or "direct", *further)
 
     def _span_for(self, start: int, end: int) -> SpanModule:
         """The served span or a weight-sharing sub-span of it (a route may use part of our layers)."""
