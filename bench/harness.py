@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -114,6 +115,28 @@ def write_json(path: Path, data: Any) -> None:
     from dsd.shard_store.files import atomic_write_bytes
 
     atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def generate_cli(args: Sequence[str], prefix: Sequence[str] = (), timeout_s: float = 1800) -> tuple[
+        dict[str, Any] | None, subprocess.CompletedProcess]:
+    """`dsd-node generate ARGS --json` as a process of its own, after `prefix` (`ip netns exec NS` runs it on a
+    machine of a NAT testbed): its JSON report (None when it printed none) and the finished process."""
+    out = subprocess.run([*prefix, sys.executable, "-m", "dsd.node.cli", "generate", *args, "--json"],
+                         capture_output=True, text=True, timeout=timeout_s)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1]), out
+    except (IndexError, json.JSONDecodeError):
+        return None, out
 
 
 def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layers: int = 8, hidden: int = 64,

@@ -29,7 +29,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS_DIR, command_line, run_metadata, today, write_json
+from harness import (
+    RESULTS_DIR,
+    command_line,
+    generate_cli,
+    percentile,
+    run_metadata,
+    today,
+    write_json,
+)
 from soak import PROBLEMS, load_models
 
 PLACEMENTS = ("public", "nat", "symmetric")
@@ -38,12 +46,11 @@ WINDOW_BYTES = 8 * 1536 * 4  # a window of 8 tokens of the real target's hidden 
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float] | None:
-    """Median with the 10th and 90th percentiles (interpolated), in milliseconds; None for no sample."""
+    """Median with the 10th and 90th percentiles (`harness.percentile`), in milliseconds; None for no sample."""
     if not xs:
         return None
-    qs = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
-    return {"n": len(xs), "median_ms": round(statistics.median(xs) * 1000, 2), "p10_ms": round(qs[0] * 1000, 2),
-            "p90_ms": round(qs[8] * 1000, 2)}
+    return {"n": len(xs), **{k: round(percentile(xs, q) * 1000, 2) for k, q in
+                             (("median_ms", 0.5), ("p10_ms", 0.1), ("p90_ms", 0.9))}}
 
 
 # --- the head-side probe (run inside the head's namespace: `python bench/nat.py probe ...`) -----------------------
@@ -148,34 +155,33 @@ class Placement:
         stop_processes(list(reversed(self.procs)))
         self.tb.close()
 
-    def in_head(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        head = self.tb.hosts["head"]
-        return subprocess.run(["ip", "netns", "exec", head.netns, *argv, "--listen", f"/ip4/{head.ip}/tcp/{PORT}"],
-                              capture_output=True, text=True, timeout=timeout)
+    def head_listen(self) -> list[str]:
+        return ["--listen", f"/ip4/{self.tb.hosts['head'].ip}/tcp/{PORT}"]
+
+    def in_head(self) -> list[str]:
+        return ["ip", "netns", "exec", self.tb.hosts["head"].netns]
 
     def probe(self) -> dict[str, Any]:
         from dsd.shard_store import Store
 
         model = Store(self.models.target).manifest.model_id
-        out = self.in_head([sys.executable, __file__, "probe", "--bootstrap", self.boot, "--model", model,
-                            "--peers", "2", "--pings", str(self.args.pings), "--latency-ms", str(self.args.latency_ms)],
-                           timeout=600)
+        out = subprocess.run([*self.in_head(), sys.executable, __file__, "probe", "--bootstrap", self.boot, "--model",
+                              model, "--peers", "2", "--pings", str(self.args.pings), "--latency-ms",
+                              str(self.args.latency_ms), *self.head_listen()], capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             raise RuntimeError(f"probe failed: {out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def generate(self, prompt: list[int]) -> dict[str, Any]:
-        argv = [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", self.boot, "--store",
-                str(self.models.target), "--draft", str(self.models.draft), "--draft-quant", "int8",
-                "--prompt-ids", ",".join(map(str, prompt)), "--mode", "dsd", "--max-new-tokens",
-                str(self.args.max_new_tokens), "--wan-latency-ms", str(self.args.latency_ms), "--threads", "1", "--json"]
+        argv = ["--bootstrap", self.boot, "--store", str(self.models.target), "--draft", str(self.models.draft),
+                "--draft-quant", "int8", "--prompt-ids", ",".join(map(str, prompt)), "--mode", "dsd",
+                "--max-new-tokens", str(self.args.max_new_tokens), "--wan-latency-ms", str(self.args.latency_ms),
+                "--threads", "1", *self.head_listen()]
         for stop in self.models.stops:
             argv += ["--stop", stop]
         started = time.monotonic()
-        out = self.in_head(argv, timeout=1800)
-        try:
-            report = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
+        report, out = generate_cli(argv, prefix=self.in_head())
+        if report is None:
             return {"ok": False, "error": f"exit {out.returncode}: {out.stderr[-1500:]}", "wall_s": time.monotonic() - started}
         links = [h["link"] for h in report.get("hops", []) if not h.get("local")] + [report.get("return_link")]
         if out.returncode != 0:

@@ -32,6 +32,7 @@ from harness import (
     build_tiny_store,
     comma_list,
     model_kinds,
+    percentile,
     run_metadata,
     testnet,
     today,
@@ -51,16 +52,6 @@ PROMPTS = (
     'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
     "def word_frequencies(text):\n    # a dict from each word to how often it occurs\n",
 )
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def one_request(url: str, model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from harness import (
     byte_ids,
     comma_list,
     command_line,
+    generate_cli,
     run_metadata,
     swarm,
     today,
@@ -161,10 +161,10 @@ class CliHeads:
         self.models, self.bootstrap, self.latency_ms, self.quant = models, bootstrap, latency_ms, quant
 
     def run(self, mix: Mix, prompt: list[int], max_new_tokens: int) -> dict[str, Any]:
-        argv = [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", self.bootstrap, "--store",
-                str(self.models.target), "--prompt-ids", ",".join(map(str, prompt)), "--mode", mix.mode,
-                "--max-new-tokens", str(max_new_tokens), "--wan-latency-ms", str(self.latency_ms), "--json",
-                "--pipeline", str(mix.pipeline), "--gamma-max", str(mix.gamma_max), "--threads", "1"]
+        argv = ["--bootstrap", self.bootstrap, "--store", str(self.models.target), "--prompt-ids",
+                ",".join(map(str, prompt)), "--mode", mix.mode, "--max-new-tokens", str(max_new_tokens),
+                "--wan-latency-ms", str(self.latency_ms), "--pipeline", str(mix.pipeline), "--gamma-max",
+                str(mix.gamma_max), "--threads", "1"]
         if mix.draft is not None:
             argv += ["--draft", "ngram" if mix.draft == "ngram" else str(self.models.draft)]
             if mix.draft == "model":
@@ -173,10 +173,8 @@ class CliHeads:
             argv += ["--tree-nodes", str(mix.tree_nodes)]
         for stop in self.models.stops:
             argv += ["--stop", stop]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-        try:
-            report = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
+        report, out = generate_cli(argv)
+        if report is None:
             return {"ok": False, "tokens": [], "error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
         if out.returncode != 0:
             return {"ok": False, "tokens": report.get("tokens", []), "failure": report.get("failure"),

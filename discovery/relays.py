@@ -70,6 +70,6 @@ async def keep_relays(node: P2PNode, *, task_status: trio.TaskStatus[int] = trio
     while True:
         await trio.sleep(CHECK_INTERVAL_S)
         before = set(node.nat.reservations) if node.nat else set()
-        held = await top_up(node)
+        await top_up(node)
         if node.nat and set(node.nat.reservations) != before:
             log.info("relay slots now on %s", ", ".join(sorted(node.nat.reservations)) or "no relay")

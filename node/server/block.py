@@ -258,8 +258,8 @@ class BlockServer:
         self.metrics.track(downstream)
         span = self._span_for(msg.start, msg.end)
         state = SessionState(msg.session, msg.max_len, self.limits.max_window)
-        session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote)
-        session.links = links
+        session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote,
+                          links=links)
         self.sessions[key] = session
         return session
 

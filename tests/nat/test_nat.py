@@ -16,6 +16,7 @@ from support.models import hf_greedy
 from support.processes import ForkServer
 from transformers import AutoModelForCausalLM
 
+from dsd.discovery.addrs import relay_of
 from dsd.node.testnet.nat_testbed import NatTestbed, nat_testbed_missing
 from dsd.node.testnet.processes import pid_alive, stop_processes, wait_ready
 
@@ -142,7 +143,7 @@ def test_a_relay_killed_mid_generation_is_a_failover_through_the_other_relay(
         peers = [swarm.start(name, "--store", str(store), "--blocks", blocks, "--bootstrap", boot["addrs"][0],
                              "--threads", "1", *wan) for name, blocks in (("p1", "0:3"), ("p2", "3:5"))]
         _route_peers(swarm, relay2["addrs"][0], {p["peer_id"] for p in peers})
-        used = peers[0]["addrs"][0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1]  # the head dials this first
+        used = relay_of(peers[0]["addrs"][0])  # the head dials this relay first
         victim = next(p for p in swarm.procs if p.name == ("boot" if used == boot["peer_id"] else "relay2"))
         head = ForkServer.session().start("head", [
             "generate", "--bootstrap", boot["addrs"][0], "--bootstrap", relay2["addrs"][0], "--store", str(store),

@@ -14,6 +14,7 @@ from support.models import hf_greedy
 from support.processes import DaemonSwarm, cli
 from transformers import AutoModelForCausalLM
 
+from dsd.discovery.addrs import relay_of
 from dsd.node.testnet.processes import PeerProcess, stop_processes
 
 pytestmark = pytest.mark.network
@@ -32,7 +33,7 @@ def test_a_private_peer_serves_through_two_relays_on_loopback(tiny_qwen2_root: P
         assert public["reachability"] == "public" and public["addrs"] == [a for a in public["addrs"] if "/p2p-circuit" not in a]
         relays = {net.bootstrap.rsplit("/p2p/", 1)[1], relay2["peer_id"]}
         assert private["reachability"] == "private" and len(private["addrs"]) == 2
-        assert {a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1] for a in private["addrs"]} == relays
+        assert {relay_of(a) for a in private["addrs"]} == relays
         net.wait_route("tiny-qwen2", 5)
         assert _relays_in_the_dht(net.bootstrap) == relays
 
@@ -58,7 +59,7 @@ def test_a_private_peer_serves_through_two_relays_on_loopback(tiny_qwen2_root: P
         while time.monotonic() < deadline:
             out = cli("route", "--bootstrap", net.bootstrap, "--model", "tiny-qwen2", "--json")
             addrs = {p["peer_id"]: p["addrs"] for p in json.loads(out.stdout)["peers"]}.get(private["peer_id"], [])
-            via = {a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[1] for a in addrs}
+            via = {relay_of(a) for a in addrs}
             if via == {net.bootstrap.rsplit("/p2p/", 1)[1], relay3["peer_id"]}:
                 break
             time.sleep(1)
