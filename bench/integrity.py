@@ -1,0 +1,343 @@
+"""Audit tolerances (issue 37): how far honest replicas' hidden states sit from float32, and how far lies sit.
+
+The head audits a window by re-running it on another replica and comparing the final hidden states (the
+output of the span's last layer, before any final norm) row by row with a relative L2, ||a - b|| / ||b||,
+b the float32 reference. The tolerance must sit above what honest replicas differ by and below lies.
+
+`gaps` measures both on the target: every variant runs each fixed HumanEval prompt as one window, then a
+continuation window (the float32 model's own greedy tokens), through the full span [0, L) and, as what a first
+peer sends, the half span [0, L/2). Variants:
+
+- honest: `bfloat16` and `float16` weights and compute; `float32-steps`, float32 again with the prompt
+  window re-run (same shapes, a determinism check) and the continuation decoded one token at a time;
+- lies: `int8` (weights fake-quantised per row, absmax, 8 bit, float32 compute), `int4` (groups of 32 along
+  the input, absmax, symmetric), `skip-last-layer` (the span's last layer left out).
+
+Per variant, span and window kind: max, p99 and median over positions, per prompt and overall, with and
+without position 0 (whose hidden state has a huge norm), and how often a prompt's max sits at position 0.
+
+    python bench/integrity.py gaps --out bench/results/integrity-gaps-DATE.json    # minutes on 2 threads
+    python bench/integrity.py summarize bench/results/integrity-gaps-DATE.json     # recompute, print a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness import (
+    RESULTS_DIR,
+    comma_list,
+    command_line,
+    percentile,
+    run_metadata,
+    today,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from dsd.shard_store import HeadModule, SpanModule, Store
+
+PROBLEMS = (0, 16, 32, 49, 65, 82, 98, 114, 131, 147)  # the fixed 10 of soak.py and dsd_sweep.py
+HONEST = ("float32-steps", "bfloat16", "float16")
+LIES = ("int8", "int4", "skip-last-layer")
+SPANS = ("half", "full")
+KINDS = ("prompt", "continuation")
+INT4_GROUP = 32
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- comparing hidden states ------------------------------------------------------------------------------------
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """||a - b|| / ||b|| per row of [t, h] hidden states (b the reference), computed in float64, to 4 digits."""
+    a64, b64 = a.double(), b.double()
+    return [float(f"{v:.4g}") for v in ((a64 - b64).norm(dim=-1) / b64.norm(dim=-1)).tolist()]
+
+
+def stats(values: Sequence[float]) -> dict[str, Any]:
+    """Max, p99 and median (`harness.percentile`, linear interpolation) of per-position gaps; None when empty."""
+    if not values:
+        return {"n": 0, "max": None, "p99": None, "median": None}
+    return {"n": len(values), "max": max(values), "p99": percentile(values, 0.99), "median": percentile(values, 0.5)}
+
+
+# --- weight lies ------------------------------------------------------------------------------------------------
+
+def fake_int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """`w` [out, in] rounded to 8 bits per output row: scale absmax/127, symmetric, back in w's dtype."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def fake_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """`w` [out, in] rounded to 4 bits in groups of `group` inputs: scale absmax/7, symmetric."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    scale = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 7
+    return ((g / scale).round().clamp(-7, 7) * scale).reshape(out, inp)
+
+
+def quantize_linears(span: SpanModule, fake: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every linear weight of the span by `fake(weight)`, a new tensor (the store's mmap is never written)."""
+    from torch import nn
+
+    for module in span.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(fake(module.weight.detach()), requires_grad=False)
+
+
+# --- running windows ----------------------------------------------------------------------------------------------
+
+def span_pieces(store: Store, variant: str) -> list[SpanModule]:
+    """The variant's model as two chained spans whose outputs are the half and the full span's: [0, L/2) and
+    [L/2, L), or for `skip-last-layer` [0, L/2 - 1) and [L/2 - 1, L - 1) (each span without its last layer)."""
+    import torch
+
+    layers = store.num_layers
+    half = layers // 2
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(variant, torch.float32)
+    span = store.load_span(0, layers, dtype=dtype)
+    if variant == "int8":
+        quantize_linears(span, fake_int8_rows)
+    elif variant == "int4":
+        quantize_linears(span, fake_int4_groups)
+    cuts = [(0, half - 1), (half - 1, layers - 1)] if variant == "skip-last-layer" else [(0, half), (half, layers)]
+    return [span.sub(a, b) for a, b in cuts]
+
+
+def run_windows(pieces: Sequence[SpanModule], windows: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Run the windows ([1, t, h] inputs) one after another through the chained pieces, each keeping its cache;
+    per window the half and full span's outputs as float32 [t, h]."""
+    caches = [p.new_cache() for p in pieces]
+    outs, pos = [], 0
+    for x in windows:
+        h, got = x, []
+        for piece, cache in zip(pieces, caches, strict=True):
+            h = piece.step(h, pos, cache)
+            got.append(h[0].float())
+        outs.append(dict(zip(SPANS, got, strict=True)))
+        pos += x.shape[1]
+    return outs
+
+
+def greedy_steps(pieces: Sequence[SpanModule], head: HeadModule, prompt: Sequence[int],
+                 n: int) -> tuple[list[int], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Greedy decoding of `n` tokens one at a time: (tokens, the prompt window's outputs, the outputs of the n
+    single-token steps fed those tokens, i.e. the continuation window computed position by position)."""
+    import torch
+
+    caches = [p.new_cache() for p in pieces]
+    pos, tokens = 0, []
+    outputs: list[dict[str, torch.Tensor]] = []
+    window = list(prompt)
+    for _ in range(n + 1):
+        h, got = head.embed(torch.tensor([window])), []
+        for piece, cache in zip(pieces, caches, strict=True):
+            h = piece.step(h, pos, cache)
+            got.append(h[0].float())
+        outputs.append(dict(zip(SPANS, got, strict=True)))
+        pos += len(window)
+        if len(tokens) == n:
+            break
+        window = [int(head.logits(h[:, -1:]).argmax(dim=-1))]
+        tokens.append(window[0])
+    steps = {s: torch.cat([o[s] for o in outputs[1:]]) for s in SPANS}
+    return tokens, outputs[0], steps
+
+
+# --- the gaps -----------------------------------------------------------------------------------------------------
+
+def prompt_ids(store: Store, problems: Sequence[int], chat: bool) -> dict[int, list[int]]:
+    """The problems' prompts as the benches send them (`soak.load_models`: the raw HumanEval prompt tokenized);
+    with `chat`, wrapped in the chat template as a user turn."""
+    from dsd.node.head.setup import encode_prompt
+    from dsd.node.testnet.workload import humaneval_problems
+
+    texts = humaneval_problems()
+    tok = store.load_tokenizer()
+    return {i: encode_prompt(tok, text=texts[i]["prompt"], chat=chat) for i in problems}
+
+
+def reference(store: Store, prompts: dict[int, list[int]], n: int, result: dict[str, Any]) -> dict[int, Any]:
+    """The float32 reference per problem: its greedy continuation and both windows' half/full outputs (run as
+    windows); records the `float32-steps` gaps, the continuations and the reference's row norms in `result`."""
+    import torch
+
+    head = store.load_head(dtype=torch.float32)
+    pieces = span_pieces(store, "float32")
+    refs: dict[int, Any] = {}
+    tok = store.load_tokenizer()
+    for problem, ids in prompts.items():
+        started = time.monotonic()
+        cont, prompt_out, steps = greedy_steps(pieces, head, ids, n)
+        outs = run_windows(pieces, [head.embed(torch.tensor([ids])), head.embed(torch.tensor([cont]))])
+        refs[problem] = {"continuation": cont, "outs": outs}
+        for span in SPANS:
+            raw = result["raw"].setdefault("float32-steps", {}).setdefault(span, {"prompt": [], "continuation": []})
+            raw["prompt"].append(rel_l2(prompt_out[span], outs[0][span]))
+            raw["continuation"].append(rel_l2(steps[span], outs[1][span]))
+            norms = outs[0][span].double().norm(dim=-1).tolist()
+            result["reference_norms"][span].append(
+                {"problem": problem, "pos0": norms[0], "median_other": percentile(norms[1:], 0.5),
+                 "max_other": max(norms[1:])})
+        result["prompts"].append({"problem": problem, "prompt_tokens": len(ids), "continuation": cont,
+                                  "continuation_text": tok.decode(cont) if tok is not None else None})
+        log(f"float32 problem {problem}: {len(ids)} + {n} tokens in {time.monotonic() - started:.1f} s")
+    del head, pieces
+    gc.collect()
+    return refs
+
+
+def variant_gaps(store: Store, variant: str, prompts: dict[int, list[int]], refs: dict[int, Any],
+                 result: dict[str, Any]) -> None:
+    """Run `variant` on every problem's two windows and record its per-position gaps to the reference."""
+    import torch
+
+    head = store.load_head(dtype=torch.float32)  # the head embeds in float32 whatever the replica computes in
+    pieces = span_pieces(store, variant)
+    raw = result["raw"].setdefault(variant, {s: {k: [] for k in KINDS} for s in SPANS})
+    for problem, ids in prompts.items():
+        started = time.monotonic()
+        ref = refs[problem]
+        outs = run_windows(pieces, [head.embed(torch.tensor([ids])), head.embed(torch.tensor([ref["continuation"]]))])
+        for span in SPANS:
+            for kind, got, want in zip(KINDS, outs, ref["outs"], strict=True):
+                raw[span][kind].append(rel_l2(got[span], want[span]))
+        log(f"{variant} problem {problem}: {time.monotonic() - started:.1f} s")
+    del head, pieces
+    gc.collect()
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Per variant, span and window kind, from the raw per-position gaps: overall stats with and without
+    position 0, per-prompt stats, how many prompts have a nonzero max at position 0, and the smallest per-window
+    max (for a lie: how clearly its least visible window stands out)."""
+    problems = [p["problem"] for p in result["prompts"]]
+    out: dict[str, Any] = {}
+    for variant, spans in result["raw"].items():
+        for span, kinds in spans.items():
+            for kind, rows in kinds.items():
+                first = 1 if kind == "prompt" else 0  # a continuation window never holds position 0
+                per = [{"problem": p, **stats(r), "argmax": max(range(len(r)), key=r.__getitem__) + (
+                    0 if kind == "prompt" else result["prompts"][i]["prompt_tokens"])}
+                    for i, (p, r) in enumerate(zip(problems, rows, strict=False))]
+                out.setdefault(variant, {}).setdefault(span, {})[kind] = {
+                    "overall": stats([v for r in rows for v in r]),
+                    "overall_without_pos0": stats([v for r in rows for v in r[first:]]),
+                    "max_at_pos0": sum(1 for x in per if x["argmax"] == 0 and x["max"] > 0),
+                    "min_window_max": min(max(r) for r in rows),
+                    "min_window_max_without_pos0": min(max(r[first:]) for r in rows),
+                    "per_prompt": per,
+                }
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The summary as a fixed-width table, one row per variant, span and window kind."""
+    head = (f"{'variant':<16}{'span':<6}{'window':<14}{'max':>10}{'p99':>10}{'median':>10}"
+            f"{'max-p0':>10}{'p99-p0':>10}{'med-p0':>10}{'minWinMax':>11}{'@p0':>5}")
+    lines = [head, "-" * len(head)]
+    for variant, spans in summary.items():
+        for span, kinds in spans.items():
+            for kind, s in kinds.items():
+                o, w = s["overall"], s["overall_without_pos0"]
+                lines.append(f"{variant:<16}{span:<6}{kind:<14}{o['max']:>10.2e}{o['p99']:>10.2e}{o['median']:>10.2e}"
+                             f"{w['max']:>10.2e}{w['p99']:>10.2e}{w['median']:>10.2e}"
+                             f"{s['min_window_max_without_pos0']:>11.2e}{s['max_at_pos0']:>5}")
+    return "\n".join(lines)
+
+
+def gaps_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="integrity.py gaps", description="honest and lying hidden-state gaps to float32")
+    p.add_argument("--store", type=Path, default=None, help="the target's store (default: the default pair's)")
+    p.add_argument("--problems", default=",".join(map(str, PROBLEMS)), help="HumanEval problem indices")
+    p.add_argument("--continuation", type=int, default=16, help="tokens in the continuation window")
+    p.add_argument("--variants", default=",".join(HONEST[1:] + LIES), help="variants besides float32-steps")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template (the benches do not)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    problems = comma_list(p, "--problems", args.problems, int)
+    variants = comma_list(p, "--variants", args.variants, str)
+    if any(v not in HONEST[1:] + LIES for v in variants):
+        p.error(f"--variants takes {', '.join(HONEST[1:] + LIES)}")
+    import torch
+
+    from dsd.shard_store import Store
+    from dsd.shard_store.default_models import default_store_paths, store_complete
+
+    torch.set_num_threads(args.threads)
+    if args.store is None:
+        args.store = default_store_paths()["target"]
+        if not store_complete(args.store):
+            p.error("the default target is not prepared: run `dsd-node models prepare` first")
+    out = args.out or RESULTS_DIR / f"integrity-gaps-{today()}.json"
+    store = Store(args.store)
+    result: dict[str, Any] = {
+        **run_metadata("integrity-gaps", args), "command": command_line("integrity.py", ["gaps", *argv]),
+        "model_id": store.manifest.model_id, "store_dtype": store.manifest.dtype, "num_layers": store.num_layers,
+        "spans": {"half": [0, store.num_layers // 2], "full": [0, store.num_layers]},
+        "metric": "||a - b|| / ||b|| per position, b the float32 reference (the span's last layer output, no norm)",
+        "variants": {"honest": list(HONEST), "lies": [v for v in variants if v in LIES]},
+        "load_before": os.getloadavg(), "prompts": [], "reference_norms": {s: [] for s in SPANS}, "raw": {},
+        "seconds": {},
+    }
+    prompts = prompt_ids(store, problems, args.chat)
+    started = time.monotonic()
+    refs = reference(store, prompts, args.continuation, result)
+    result["seconds"]["float32"] = round(time.monotonic() - started, 1)
+    for variant in variants:
+        started = time.monotonic()
+        variant_gaps(store, variant, prompts, refs, result)
+        result["seconds"][variant] = round(time.monotonic() - started, 1)
+        result["load_after"] = os.getloadavg()
+        result["summary"] = summarize(result)
+        write_json(out, result)
+    result["load_after"] = os.getloadavg()
+    result["summary"] = summarize(result)
+    write_json(out, result)
+    print(json.dumps(result, indent=1))
+    log(table(result["summary"]))
+    return 0
+
+
+def summarize_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="integrity.py summarize", description="recompute a gaps file's summary, print it")
+    p.add_argument("file", type=Path)
+    args = p.parse_args(argv)
+    result = json.loads(args.file.read_text())
+    summary = summarize(result)
+    if summary != result.get("summary"):
+        result["summary"] = summary
+        write_json(args.file, result)
+    print(table(summary))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"gaps": gaps_main, "summarize": summarize_main}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=sorted(COMMANDS))
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv[:1])
+    return COMMANDS[args.command](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
