@@ -1,5 +1,6 @@
 """A head process's one view of the swarm: the last survey (records, RTTs, the planned route or what is
-missing), the peers it has blamed (`Blacklist`), and plans for its routes.
+missing), the peers it has blamed (`Blacklist`: seconds, for liveness), the peers caught lying (`Bans`: hours,
+with the evidence), and plans for its routes.
 
 One `SwarmWatch` per head process: `dsd-node serve` keeps it refreshed in the background every
 `refresh_s` and on demand (a request that finds no route, a route that failed), so requests start
@@ -16,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -54,18 +56,54 @@ class Blacklist:
         return {p for p, until in self._until.items() if until > now}
 
 
+BAN_S = 24 * 3600.0  # a peer caught returning wrong activations is avoided this long
+
+
+@dataclass(frozen=True)
+class Ban:
+    """A peer caught lying: until when (unix time) and the evidence that convicted it."""
+
+    peer_id: str
+    until_unix: float
+    evidence: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "until_unix": round(self.until_unix, 1), "evidence": self.evidence}
+
+
+@dataclass
+class Bans:
+    """Peers this head process caught returning wrong hidden states; kept across requests (not the liveness
+    blacklist's seconds: a liar does not become honest by waiting)."""
+
+    duration_s: float = BAN_S
+    _bans: dict[str, Ban] = field(default_factory=dict)
+
+    def add(self, peer: str, evidence: dict[str, Any], now_unix: float | None = None) -> Ban:
+        """Ban `peer` for `duration_s` from now with `evidence` (a later ban replaces an earlier one)."""
+        now_unix = time.time() if now_unix is None else now_unix
+        ban = Ban(peer, now_unix + self.duration_s, evidence)
+        self._bans[peer] = ban
+        return ban
+
+    def active(self, now_unix: float | None = None) -> dict[str, Ban]:
+        now_unix = time.time() if now_unix is None else now_unix
+        return {p: b for p, b in self._bans.items() if b.until_unix > now_unix}
+
+
 class SwarmWatch:
     """The last `SwarmView` of `model` and when it was taken."""
 
     def __init__(self, node: P2PNode, model: str, num_layers: int, *, refresh_s: float = 15.0,
                  survey_timeout_s: float = 30.0, blocks: tuple[int, int] | None = None,
-                 blacklist: Blacklist | None = None,
+                 blacklist: Blacklist | None = None, bans: Bans | None = None,
                  on_survey: Callable[[SwarmView | None, SwarmView], None] | None = None) -> None:
         self.node = node
         self.model = model
         self.num_layers = num_layers
         self.blocks = blocks  # the layers a route must cover (None: every layer)
         self.blacklist = blacklist or Blacklist()
+        self.bans = bans or Bans()
         self.on_survey = on_survey  # (the view before, the new one) after each refresh: the service's metrics
         self.refresh_s = refresh_s
         self.survey_timeout_s = survey_timeout_s
@@ -76,6 +114,10 @@ class SwarmWatch:
         self._lock = trio.Lock()
         self._wake = trio.Event()
 
+    def avoided(self) -> set[str]:
+        """The peers no route of this process may use now: blacklisted (unresponsive) or banned (caught lying)."""
+        return self.blacklist.active() | set(self.bans.active())
+
     @property
     def hops(self) -> list[Hop] | None:
         """The planned route of the last survey, or None."""
@@ -85,9 +127,9 @@ class SwarmWatch:
 
     def route_to_start(self) -> list[Hop] | None:
         """The last survey's route for a new generation to start on, unless it crosses a peer this process has
-        blacklisted since (then None: the generation plans its own route, avoiding it)."""
+        blacklisted or banned since (then None: the generation plans its own route, avoiding it)."""
         hops = self.hops
-        if hops is not None and {h.peer_id for h in hops} & self.blacklist.active():
+        if hops is not None and {h.peer_id for h in hops} & self.avoided():
             return None
         return hops
 
@@ -106,7 +148,8 @@ class SwarmWatch:
             if self.view is not None and self.surveyed_at >= asked - max_age_s:
                 return self.view
             with trio.fail_after(self.survey_timeout_s):
-                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks)
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks,
+                                    blacklist=set(self.bans.active()))
             before = self.view
             self.view, self.surveyed_at, self.surveyed_unix = view, trio.current_time(), time.time()
             self._remember(view, self.surveyed_unix)
@@ -114,11 +157,11 @@ class SwarmWatch:
             return view
 
     async def plan(self, avoid: frozenset[str] = frozenset(), *, wait_s: float = 0.0) -> SwarmView:
-        """A fresh survey planned without the blacklisted peers and `avoid` (a failover's view: the shared `view`
+        """A fresh survey planned without the blacklisted and banned peers and `avoid` (a failover's view: the shared `view`
         is left as it is; the live peers it saw are remembered). With `wait_s`, a survey that finds blocks
         missing is repeated for up to that long, saying what it waits for (records can lag: a peer just
         started, or the node that held its record left); the last view says what is still missing."""
-        banned = self.blacklist.active() | avoid
+        banned = self.avoided() | avoid
         give_up = trio.current_time() + wait_s
         level = logging.WARNING  # the first wait is news; the surveys after it are detail
         while True:

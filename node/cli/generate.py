@@ -10,11 +10,13 @@ from typing import Any
 from dsd.node.head.modes import MODE_HELP, MODES
 
 from .options import (
+    add_audit_options,
     add_deadline_options,
     add_device_options,
     add_head_options,
     add_overlap_options,
     add_wan_options,
+    audit_options,
     deadline_rule,
     fail,
     link_profile,
@@ -50,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
     add_deadline_options(p)
+    add_audit_options(p)
     g = p.add_argument_group("federated mode (SpecFed): --store is the draft; workers hold whole models")
     g.add_argument("--federated", action="store_true", help="verify against federated workers' top-K distributions")
     g.add_argument("--workers", default="auto", metavar="auto|PEER_ID,...", help="workers to use (default auto: every live worker of the vocabulary, sorted by peer id)")
@@ -159,6 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
         local_span = load_head_span(Store(args.store), args.blocks, device=place.device, dtype=place.dtype) if args.blocks else None
+        audit = None if args.federated else audit_options(args)
     except (ValueError, StoreError, OSError) as exc:
         return fail(str(exc))
     streamer = TextStreamer(tokenizer, cfg.stop_strings) if tokenizer is not None and not args.json else None
@@ -175,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
-            on_tokens=on_tokens, target=target, listen=args.listen,
+            on_tokens=on_tokens, target=target, listen=args.listen, audit=audit,
         ))
     except GenerationFailed as exc:
         failure = exc.failure
@@ -188,6 +192,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ConnectionError as exc:  # no bootstrap peer reachable
         return fail(str(exc), 1)
     text = text_of(report.tokens)
+    audits = getattr(report.transport, "audits", None)
+    if streamer is not None and audits is not None and audits.shown_wrong_from is not None:
+        print(f"\ndsd-node: an audit caught a peer lying after the text above was shown; it was wrong from token "
+              f"{audits.shown_wrong_from} on. The corrected text:", file=sys.stderr)
+        streamer = None
     if args.json:
         print(json.dumps({**report.as_dict(), "text": text, "device": str(place.device), "dtype": place.dtype_name}))
     else:

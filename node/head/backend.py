@@ -84,6 +84,9 @@ class TargetBackend:
         `capabilities.probs`). Raises `BackendError` when the target is gone for good."""
         raise NotImplementedError
 
+    async def settle(self) -> None:
+        """Wait for any check of the results collected so far (a route's audits); BackendError if one failed."""
+
     def transport(self) -> TransportRecord:
         """What the transport did so far."""
         return NoTransport()

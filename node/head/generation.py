@@ -31,6 +31,7 @@ async def generate(
     engine = HeadEngine(backend, drafter, cfg, tokenizer)
     try:
         result = await engine.run(prompt, on_tokens=on_tokens)
+        await backend.settle()
     except BackendError as exc:
         raise GenerationFailed(exc.failure, engine.result, backend.transport()) from exc
     return GenerationReport(result, backend.transport())

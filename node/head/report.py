@@ -7,7 +7,8 @@ one place a report becomes JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,24 @@ class GenerationResult:
     tree_windows: int = 0  # draft windows sent as token trees
     pipelined_rounds: int = 0  # of the ready rounds, windows sent before the verdict they bet on (dsd pipeline)
     pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
+
+    def continuing(self, kept: Sequence[int], before: Sequence[GenerationResult]) -> GenerationResult:
+        """This result as the continuation of `kept` tokens made by earlier attempts (`before`, regenerated from
+        a checked point): the tokens joined, the work of every attempt added (time, rounds, drafts)."""
+        merged = GenerationResult(self.mode, tokens=[*kept, *self.tokens])
+        for f in fields(self):
+            if f.name in ("mode", "tokens"):
+                continue
+            mine, parts = getattr(self, f.name), [getattr(b, f.name) for b in before]
+            if isinstance(mine, TimeBreakdown):
+                value: Any = TimeBreakdown(**{t.name: sum(getattr(p, t.name) for p in [mine, *parts])
+                                              for t in fields(TimeBreakdown)})
+            elif isinstance(mine, list):
+                value = [x for p in [*parts, mine] for x in p]
+            else:
+                value = mine + sum(parts)
+            setattr(merged, f.name, value)
+        return merged
 
     @property
     def new_tokens(self) -> int:

@@ -9,9 +9,10 @@ comes out as one `GenerationFailed` (never an exception group) carrying the toke
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from dsd.node.head.config import GenerationConfig
 from dsd.node.head.generation import generate
 from dsd.node.head.report import GenerationFailed, GenerationReport, GenerationResult
 from dsd.node.head.setup import HeadSetup
+from dsd.node.head.streaming import RepairGuard
+from dsd.node.route.audit import AuditFailure, AuditLedger, AuditOptions
 from dsd.node.route.legs import ReturnLegs
 from dsd.node.route.open import open_route
 from dsd.protocol import Hop
@@ -33,6 +36,10 @@ from dsd.shard_store import SpanModule, Store, StoreError
 from .config import parse_blocks
 from .host import head_node
 from .shaper import LinkProfile
+
+log = logging.getLogger(__name__)
+
+MAX_REPAIRS = 3  # regenerations after audits caught liars, before a generation gives up
 
 
 @dataclass(frozen=True)
@@ -87,9 +94,10 @@ def swarm_watch(node: P2PNode, setup: HeadSetup, local_blocks: tuple[int, int] |
 @asynccontextmanager
 async def open_target(
     node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch | None, setup: HeadSetup, cfg: GenerationConfig,
-    prompt_len: int, target: Target,
+    prompt_len: int, target: Target, audits: AuditLedger | None = None,
 ) -> AsyncIterator[TargetBackend]:
-    """The backend of `target`, open for a generation of `cfg` after a prompt of `prompt_len` tokens."""
+    """The backend of `target`, open for a generation of `cfg` after a prompt of `prompt_len` tokens (a route's
+    windows audited as `audits` says)."""
     max_len = cfg.session_len(prompt_len)
     if isinstance(target, FederatedTarget):
         async with open_federated(
@@ -101,7 +109,7 @@ async def open_target(
         return
     assert swarm is not None and setup.head is not None, "a route needs the swarm's view and the target's ends"
     async with open_route(node, legs, swarm, setup.head, max_len=max_len, hops=target.hops, local=target.local,
-                          timeout_s=cfg.result_timeout_s, rule=cfg.deadline) as backend:
+                          timeout_s=cfg.result_timeout_s, rule=cfg.deadline, audits=audits) as backend:
         yield backend
 
 
@@ -116,15 +124,48 @@ async def generate_over_swarm(
     target: Target | None = None,
     tokenizer: Any = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    audit: AuditOptions | None = None,
 ) -> GenerationReport:
     """Generate once from a head node already in the swarm over `target` (default: a route the swarm plans);
-    `swarm` is the process's view (None only for federated workers). Raises `GenerationFailed` when there is
-    no route or no worker, or the target gives out midway."""
-    try:
-        async with open_target(node, legs, swarm, setup, cfg, len(prompt), target or RouteTarget()) as backend:
-            return await generate(backend, setup.drafter, cfg, prompt, tokenizer=tokenizer, on_tokens=on_tokens)
-    except BackendError as exc:  # the target could not be opened
-        raise GenerationFailed(exc.failure, GenerationResult(cfg.mode)) from exc
+    `swarm` is the process's view (None only for federated workers). A route's windows are audited as `audit` says
+    (None: not at all); when an audit catches a liar, the generation is redone from the last window that passed,
+    without it (at most `MAX_REPAIRS` times). Raises `GenerationFailed` when there is no route or no worker, or
+    the target gives out midway."""
+    target = target or RouteTarget()
+    ledger = AuditLedger(audit) if audit is not None and isinstance(target, RouteTarget) else None
+    guard = RepairGuard(on_tokens)
+    kept: list[int] = []  # tokens made before the last window that passed its audit, when redoing
+    spent: list[GenerationResult] = []  # the results of attempts a liar spoiled
+    for repair in range(MAX_REPAIRS + 1):
+        rest = replace(cfg, max_new_tokens=cfg.max_new_tokens - len(kept))
+        try:
+            try:
+                async with open_target(node, legs, swarm, setup, rest, len(prompt) + len(kept), target,
+                                       ledger) as backend:
+                    report = await generate(backend, setup.drafter, rest, [*prompt, *kept], tokenizer=tokenizer,
+                                            on_tokens=guard.push)
+            except BackendError as exc:  # the target could not be opened
+                raise GenerationFailed(exc.failure, GenerationResult(cfg.mode)) from exc
+        except GenerationFailed as exc:
+            result = exc.result.continuing(kept, spent)
+            lie = exc.failure
+            if not isinstance(lie, AuditFailure) or lie.verdict == "disputed" or repair == MAX_REPAIRS:
+                raise GenerationFailed(exc.failure, result, exc.transport) from exc
+            good = max(lie.good - len(prompt), len(kept))
+            kept = result.tokens[: min(good, cfg.max_new_tokens - 1)]
+            spent.append(exc.result)
+            assert ledger is not None
+            ledger.repairs.append({"verdict": lie.verdict, "blamed": list(lie.blamed), "from_token": len(kept),
+                                   "discarded_tokens": len(result.tokens) - len(kept)})
+            log.warning("an audit caught the route lying (%s); generating again from token %d of %d", lie.message,
+                        len(kept), len(result.tokens))
+            guard.rewind(len(kept))
+            target = replace(target, hops=None)  # plan anew, without the banned peer
+            continue
+        if ledger is not None:
+            ledger.shown_wrong_from = guard.wrong_from
+        return GenerationReport(report.result.continuing(kept, spent), report.transport)
+    raise AssertionError("unreachable")
 
 
 async def generate_from_fresh_head(
@@ -139,6 +180,7 @@ async def generate_from_fresh_head(
     tokenizer: Any = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     listen: list[str] | None = None,
+    audit: AuditOptions | None = None,
 ) -> GenerationReport:
     """Join the swarm as a new head, generate once (see `generate_over_swarm`), leave. `GenerationFailed` is
     raised outside the node's nursery."""
@@ -149,7 +191,7 @@ async def generate_from_fresh_head(
         swarm = None if isinstance(target, FederatedTarget) else swarm_watch(node, setup, local)
         try:
             return await generate_over_swarm(node, legs, swarm, setup, prompt, cfg, target=target,
-                                             tokenizer=tokenizer, on_tokens=on_tokens)
+                                             tokenizer=tokenizer, on_tokens=on_tokens, audit=audit)
         except GenerationFailed as exc:
             failure = exc
     raise failure

@@ -16,7 +16,10 @@ from dsd.node.head.backend import Capabilities, TargetBackend
 from dsd.protocol import decode_tensor
 from dsd.shard_store import HeadModule, SpanModule
 
+from .audit import AuditLedger, Auditor
+from .audit_rules import HeldTokens
 from .client import Reopened, RouteClient
+from .ends import rows_into_route
 from .record import RouteRecord, ring_hops
 from .session import RouteSession
 
@@ -52,13 +55,17 @@ class RouteBackend(TargetBackend):
     come back in sending order. A window of a newer epoch drops the ones sent ahead (their results
     are skipped as stale). A failover replays only the oldest window in flight and drops those sent
     ahead; `replays` counts failovers so the engine knows they are gone.
+
+    Audits (`auditor`): every result is offered to the auditor with the window's context (the tokens the peers held
+    before it, followed by `HeldTokens`) and the rows as the route returned them (before the head's own last
+    layers); `collect` raises `LieCaught` once an audit found the route lying, and `settle` waits for the audits.
     """
 
     capabilities = Capabilities(trees=True, pipeline=True)
 
     def __init__(
         self, head: HeadModule, client: RouteClient, *, timeout_s: float = 300.0, replay_chunk: int = 128,
-        local: SpanModule | None = None,
+        local: SpanModule | None = None, auditor: Auditor | None = None, audits: AuditLedger | None = None,
     ) -> None:
         self.head = head
         self.client = client
@@ -87,6 +94,11 @@ class RouteBackend(TargetBackend):
         self._epoch = 0
         self._route_lock = trio.Lock()  # a window sent ahead waits while a failover replays
         self.replays = 0
+        self.auditor = auditor
+        self.audits = auditor.ledger if auditor is not None else audits  # what `transport` reports of the audits
+        self._held = HeldTokens()  # the tokens the peers hold, as the windows sent say
+        # Windows sent whose results have not come back: (epoch, start, context, tokens, parents), oldest first.
+        self._sent: deque[tuple[int, int, list[int], list[int], list[int] | None]] = deque()
 
     @property
     def session(self) -> RouteSession:
@@ -104,6 +116,7 @@ class RouteBackend(TargetBackend):
             hops=ring_hops(hops, client.node.peer_id, mine, links[: len(hops)]), bytes_sent=client.bytes_sent,
             return_link=links[len(hops)] if len(links) > len(hops) else None,
             bytes_received=client.bytes_received, head_compute_s=self.head_compute_s, failovers=list(client.events),
+            audits=self.audits,
         )
 
     def _rows_out(
@@ -111,12 +124,8 @@ class RouteBackend(TargetBackend):
         parents: Sequence[int] | None, keep: Sequence[int] | None,
     ) -> np.ndarray:
         """The window's hidden states as they leave the head: embedded, and through its own first layers if it serves them."""
-        with torch.inference_mode():
-            hidden = self.head.embed(torch.tensor([list(tokens)], dtype=torch.long))
-        if self._local_first:
-            assert self.local is not None and self._local_cache is not None
-            hidden = self.local.step(hidden, start, self._local_cache, commit=commit, parents=parents, keep=keep)
-        return hidden[0].to("cpu").to(torch.float32).numpy()
+        first = self.local if self._local_first else None
+        return rows_into_route(self.head, first, self._local_cache, tokens, start, commit, parents, keep)
 
     def _run_tail(
         self, hidden: np.ndarray, start: int, commit: int | None,
@@ -133,6 +142,7 @@ class RouteBackend(TargetBackend):
         was replaced meanwhile."""
         msg = await self.client.receive(epoch=epoch, timeout=self.timeout_s)
         start, hidden = msg.start, decode_tensor(msg.hidden)
+        self._offer_audit(msg.epoch, start, hidden)
         if self.local is None or self._local_first:
             return hidden
         if not self._tail_windows or self._tail_windows[0][0] != start:
@@ -142,6 +152,20 @@ class RouteBackend(TargetBackend):
         hidden = await trio.to_thread.run_sync(self._run_tail, hidden, *self._tail_windows.popleft(), limiter=self._limiter)
         self.head_compute_s += time.perf_counter() - t0
         return hidden
+
+    def _offer_audit(self, epoch: int, start: int, hidden: np.ndarray) -> None:
+        """Match a result to the window it answers (those skipped as stale drop out) and offer it for audit."""
+        while self._sent:
+            sent_epoch, sent_start, context, tokens, parents = self._sent.popleft()
+            if (sent_epoch, sent_start) == (epoch, start):
+                if self.auditor is not None:
+                    self.auditor.offer(context, tokens, parents, hidden, self.client.hops)
+                return
+
+    async def settle(self) -> None:
+        """Wait for the audits of the windows collected so far (`LieCaught` if one failed)."""
+        if self.auditor is not None:
+            await self.auditor.settle()
 
     def _logits(self, hidden: np.ndarray, rows: int) -> torch.Tensor:
         with torch.inference_mode():
@@ -157,6 +181,8 @@ class RouteBackend(TargetBackend):
         self.head_compute_s += time.perf_counter() - t0
         if self.local is not None and not self._local_first:
             self._tail_windows.append((start, commit, parents, keep))
+        context = self._held.sent(tokens, start, commit, parents, keep)
+        self._sent.append((epoch, start, context, list(tokens), None if parents is None else list(parents)))
         await self.client.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
 
     async def submit(
@@ -230,6 +256,7 @@ class RouteBackend(TargetBackend):
         Windows in flight on the old route never answer (those sent ahead are dropped: `replays`);
         the local span is rebuilt from position 0."""
         self._tail_windows.clear()
+        self._sent.clear()
         self._ahead, self._uncollected = [], 1
         self.replays += 1
         if self._parents is None:
@@ -254,7 +281,9 @@ class RouteBackend(TargetBackend):
 
     async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
         """The target's logits for the window's last `rows` positions; a route that fails meanwhile is replaced
-        and replayed into (RouteGaveOut when none is left)."""
+        and replayed into (RouteGaveOut when none is left; LieCaught when an audit found the route lying)."""
+        if self.auditor is not None:
+            self.auditor.check()
         while True:
             try:
                 hidden = await self._receive(epoch)

@@ -20,6 +20,7 @@ from dsd.protocol.route_state import RouteFailure, RouteState
 from dsd.shard_store import HeadModule, SpanModule
 from dsd.shard_store.dtypes import dtype_name
 
+from .audit import AuditLedger, Auditor
 from .backend import RouteBackend
 from .client import RouteClient, plan_prior
 from .errors import RouteGaveOut
@@ -66,12 +67,19 @@ async def open_route_client(
 async def open_route(
     node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch, head: HeadModule, *, max_len: int,
     hops: Sequence[Hop] | None = None, local: SpanModule | None = None, timeout_s: float = 300.0,
-    rule: DeadlineRule | None = None, **options: Any,
+    rule: DeadlineRule | None = None, audits: AuditLedger | None = None, **options: Any,
 ) -> AsyncIterator[RouteBackend]:
     """The engine's backend over a route of `swarm` (or `hops`): hidden states in the head's compute dtype on the
     wire (exact; half the bytes in bf16/fp16), `local` the layers the head serves itself (the route covers the
-    others, as `swarm.blocks` says). Options as `open_route_client`'s."""
+    others, as `swarm.blocks` says); windows audited as `audits.options` say (`audit.Auditor`), counted there.
+    Options as `open_route_client`'s."""
     wire = WireFormat("auto").for_dtype(dtype_name(head.dtype))
     async with open_route_client(node, legs, swarm, max_len=max_len, hops=hops, wire=wire, rule=rule,
                                  **options) as client:
-        yield RouteBackend(head, client, timeout_s=timeout_s, local=local)
+        if audits is None or audits.options.rate <= 0.0:
+            yield RouteBackend(head, client, timeout_s=timeout_s, local=local, audits=audits)
+            return
+        first = local if local is not None and local.start == 0 else None
+        auditor = Auditor(node, legs, swarm, head, ledger=audits, max_len=max_len, wire=wire, local_first=first)
+        async with auditor.running():
+            yield RouteBackend(head, client, timeout_s=timeout_s, local=local, auditor=auditor)

@@ -8,6 +8,8 @@ from typing import Any
 
 from dsd.protocol.route_state import FailoverEvent
 
+from .audit import AuditLedger
+
 
 @dataclass(frozen=True)
 class RingHop:
@@ -46,6 +48,7 @@ class RouteRecord:
     head_compute_s: float = 0.0
     failovers: list[FailoverEvent] = field(default_factory=list)
     return_link: str | None = None  # how the last peer's leg back to the head travels
+    audits: AuditLedger | None = None  # what the audits did (None: not audited)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -60,4 +63,5 @@ class RouteRecord:
             "failover_s": [round(e.seconds, 3) for e in self.failovers],
             "failover_blamed": [e.blamed for e in self.failovers],
             "failover_events": [e.as_dict() for e in self.failovers],
+            **({} if self.audits is None else {"audits": self.audits.as_dict(), "banned": list(self.audits.banned)}),
         }

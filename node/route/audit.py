@@ -1,0 +1,293 @@
+"""Audits: the head re-runs a random share of a route's windows on a disjoint set of replicas and compares the final
+hidden states position by position; on a mismatch, blame finds the liar, who is banned, and the generation is
+regenerated from the last window that passed (`LieCaught`, repaired by `dsd.node.peer.generation`).
+
+Which windows are audited is drawn with the operating system's randomness after each result came back, so no peer
+can know whether a window it computes will be checked. Audits run in the auditor's own task, off the critical path:
+the replica route (planned without the audited route's peers) keeps a session whose KV cache follows the audited
+windows' contexts, so an audit sends only the tokens committed since the last one and the window itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from dsd.discovery.host import P2PNode
+from dsd.discovery.swarm import SwarmWatch
+from dsd.discovery.tasks import owned_nursery
+from dsd.node.head.backend import BackendError
+from dsd.protocol import Hop, WireFormat
+from dsd.protocol.route_state import short
+from dsd.shard_store import HeadModule, SpanModule
+
+from .audit_rules import DEFAULT_AUDIT_RATE, DEFAULT_AUDIT_TOLERANCE, Comparison, common_prefix
+from .blame import Prober, Verdict, locate_liar, run_rows
+from .ends import rows_into_route
+from .errors import RouteError
+from .legs import ReturnLegs
+from .session import RouteSession
+
+log = logging.getLogger(__name__)
+
+QUEUE = 64  # audits waiting for the auditor; beyond that a chosen window is skipped (counted)
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """How a head audits: the share of windows, the tolerance per position, and a seed (tests only: None draws
+    from the operating system, which the peers cannot predict)."""
+
+    rate: float = DEFAULT_AUDIT_RATE
+    tolerance: float = DEFAULT_AUDIT_TOLERANCE
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"--audit-rate must be in [0, 1], got {self.rate}")
+        if not self.tolerance > 0.0:
+            raise ValueError(f"--audit-tolerance must be positive, got {self.tolerance}")
+
+
+@dataclass
+class AuditLedger:
+    """What the audits of one generation did (across its regenerations): `generate --json`'s `audits` and `banned`."""
+
+    options: AuditOptions = field(default_factory=AuditOptions)
+    windows: int = 0  # windows whose results came back (the audit's population)
+    audited: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # why chosen windows were not audited
+    banned: list[dict[str, Any]] = field(default_factory=list)
+    repairs: list[dict[str, Any]] = field(default_factory=list)  # regenerations: from which token, why
+    shown_wrong_from: int | None = None  # streamed text was wrong from this token on (see docs/integrity.md)
+
+    def skip(self, reason: str) -> None:
+        if reason not in self.skipped:
+            log.warning("audit skipped: %s", reason)
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rate": self.options.rate, "tolerance": self.options.tolerance, "windows": self.windows,
+                "audited": self.audited, "passed": self.passed, "failed": self.failed, "skipped": dict(self.skipped),
+                "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
+
+
+@dataclass(frozen=True)
+class AuditFailure:
+    """An audit that failed on the generation's route: regenerate from position `good` (the tokens before the last
+    window that passed), without the banned liar. Verdicts: lied, unattributed, disputed."""
+
+    verdict: str
+    message: str
+    blamed: list[str]
+    good: int
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "message": self.message, "blamed": list(self.blamed), "good": self.good,
+                "evidence": self.evidence}
+
+
+class LieCaught(BackendError):
+    """An audit found the route's output wrong: `failure` (an `AuditFailure`) says who and from where to redo."""
+
+    failure: AuditFailure
+
+
+@dataclass(frozen=True)
+class Audited:
+    """A window as the audited route computed it: the tokens before it, its own, its tree, the route's output rows."""
+
+    index: int
+    context: tuple[int, ...]
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...] | None
+    rows: np.ndarray
+    hops: tuple[Hop, ...]
+
+
+class Auditor:
+    """Audits one generation's windows (see the module doc); `offer` each result, `check` before using the next,
+    `settle` before the generation's text is final."""
+
+    def __init__(
+        self, node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch, head: HeadModule, *, ledger: AuditLedger,
+        max_len: int, wire: WireFormat, local_first: SpanModule | None = None,
+    ) -> None:
+        self.swarm, self.head, self.ledger, self.options = swarm, head, ledger, ledger.options
+        self.prober = Prober(node, legs, model=swarm.model, max_len=max_len, wire=wire)
+        self.node, self.legs, self.max_len, self.wire, self.first = node, legs, max_len, wire, local_first
+        self._rng: random.Random = random.Random(self.options.seed) if self.options.seed is not None \
+            else secrets.SystemRandom()
+        self._send, self._recv = trio.open_memory_channel[Audited](QUEUE)
+        self._pending = 0
+        self._drained = trio.Event()
+        self._drained.set()
+        self._nursery: trio.Nursery | None = None
+        self._session: RouteSession | None = None
+        self._held: list[int] = []  # the tokens the replica route holds
+        self._first_cache = local_first.new_cache() if local_first is not None else None
+        self.good = 0  # positions before the last window that passed
+        self.failure: AuditFailure | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Auditor]:
+        """Audit in the background while the block runs; the replica session is closed after."""
+        async with owned_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._run)
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+                await self._close_replica()
+
+    def offer(self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int] | None, rows: np.ndarray,
+              hops: Sequence[Hop]) -> None:
+        """A window's result came back: audit it with probability `rate` (decided now, after the peers answered)."""
+        self.ledger.windows += 1
+        if self.failure is not None or self.options.rate <= 0.0 or self._rng.random() >= self.options.rate:
+            return
+        window = Audited(self.ledger.windows, tuple(context), tuple(tokens), None if parents is None else
+                         tuple(parents), np.array(rows, dtype=np.float32, copy=True), tuple(hops))
+        try:
+            self._send.send_nowait(window)
+        except trio.WouldBlock:
+            self.ledger.skip("the auditor fell behind (queue full)")
+            return
+        self._pending += 1
+        self._drained = trio.Event()
+
+    def check(self) -> None:
+        """Raise `LieCaught` if an audit found the route lying."""
+        if self.failure is not None:
+            raise LieCaught(self.failure)
+
+    async def settle(self) -> None:
+        """Wait for every audit offered so far, then `check`."""
+        await self._drained.wait()
+        self.check()
+
+    async def _run(self) -> None:
+        async for window in self._recv:
+            try:
+                if self.failure is None:
+                    await self._audit(window)
+            finally:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._drained.set()
+
+    async def _audit(self, window: Audited) -> None:
+        try:
+            session = await self._replica_for(window.hops)
+            if session is None:
+                return
+            rows = await self._replay(session, window)
+        except (RouteError, trio.TooSlowError) as exc:
+            self.ledger.skip(f"the replica route failed: {exc}")
+            await self._close_replica()
+            return
+        self.ledger.audited += 1
+        check = Comparison.of(window.rows, rows, self.options.tolerance)
+        if check.agree:
+            self.ledger.passed += 1
+            self.good = max(self.good, len(window.context) + 1)
+            return
+        self.ledger.failed += 1
+        replica = list(session.hops)
+        evidence = {"window": window.index, **check.evidence(len(window.context)), "route": [h.peer_id for h in
+                    window.hops], "replica": [h.peer_id for h in replica]}
+        log.warning("audit of window %d failed: %d of %d positions beyond %.3f (max %.3f) between route %s and "
+                    "replicas %s; finding the liar", window.index, evidence["positions_over"], len(window.rows),
+                    self.options.tolerance, check.largest, [short(p) for p in evidence["route"]],
+                    [short(p) for p in evidence["replica"]])
+        await self._close_replica()
+        rows_in = await trio.to_thread.run_sync(self._input_rows, window)
+        verdict = await locate_liar(self.prober, self.swarm, window.hops, replica, rows_in,
+                                    context=len(window.context), parents=window.parents,
+                                    tolerance=self.options.tolerance)
+        self._judge(window, verdict, evidence)
+
+    def _judge(self, window: Audited, verdict: Verdict, evidence: dict[str, Any]) -> None:
+        """Ban a liar; fail the generation (to be regenerated) unless the liar was only on the replica route."""
+        evidence = {**evidence, "blame": verdict.evidence}
+        for peer in verdict.silent:
+            self.swarm.blacklist.add(peer)
+        on_route = {h.peer_id for h in window.hops}
+        if verdict.liar is not None:
+            ban = self.swarm.bans.add(verdict.liar, evidence)
+            self.ledger.banned.append({**ban.as_dict(), "message": verdict.message})
+            log.warning("banned %s until %.0f: %s", short(verdict.liar), ban.until_unix, verdict.message)
+            if verdict.liar not in on_route:
+                return  # the audited route was honest: nothing to redo
+        else:
+            log.warning("audit failure not attributed (%s): %s", verdict.kind, verdict.message)
+        blamed = [verdict.liar] if verdict.liar is not None else []
+        self.failure = AuditFailure(verdict.kind, verdict.message, blamed, self.good, evidence)
+
+    async def _replica_for(self, hops: Sequence[Hop]) -> RouteSession | None:
+        """The open replica session, or a new one on a route sharing no peer with `hops` (None: none exists)."""
+        audited = {h.peer_id for h in hops}
+        session = self._session
+        if session is not None and not (set(session.peers) & (audited | self.swarm.avoided())):
+            return session
+        await self._close_replica()
+        view = await self.swarm.plan(frozenset(audited))
+        if view.plan is None:
+            self.ledger.skip(f"no replica route disjoint from the audited one: {view.error}")
+            return None
+        assert self._nursery is not None
+        session = RouteSession(self.node, self.legs, view.plan.protocol_hops(), model=self.swarm.model,
+                               max_len=self.max_len, wire=self.wire)
+        await session.open(self._nursery)
+        self._session, self._held = session, []
+        log.info("audits run on %s", [f"{short(h.peer_id)} {h.start}:{h.end}" for h in session.hops])
+        return session
+
+    async def _close_replica(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            with trio.CancelScope(shield=True):
+                await session.close()
+
+    def _rows(self, tokens: Sequence[int], start: int, commit: int, parents: Sequence[int] | None = None) -> np.ndarray:
+        return rows_into_route(self.head, self.first, self._first_cache, tokens, start, commit, parents)
+
+    async def _replay(self, session: RouteSession, window: Audited) -> np.ndarray:
+        """The window on the replica route after the context it lacks; its output rows."""
+        context, n = list(window.context), common_prefix(self._held, window.context)
+        if window.parents is None:
+            tokens = context[n:] + list(window.tokens)
+            out = await run_rows(session, await self._compute(tokens, n, n), start=n, commit=n)
+            self._held = context + list(window.tokens)
+            return out[-len(window.tokens):]
+        if n < len(context):
+            await run_rows(session, await self._compute(context[n:], n, n), start=n, commit=n)
+        start = len(context)
+        out = await run_rows(session, await self._compute(window.tokens, start, start, window.parents), start=start,
+                             commit=start, parents=window.parents)
+        self._held = context
+        return out
+
+    async def _compute(self, tokens: Sequence[int], start: int, commit: int,
+                       parents: Sequence[int] | None = None) -> np.ndarray:
+        return await trio.to_thread.run_sync(self._rows, tokens, start, commit, parents)
+
+    def _input_rows(self, window: Audited) -> np.ndarray:
+        """The rows the head sends into a route for the whole context and the window, on a fresh cache (for blame)."""
+        cache = self.first.new_cache() if self.first is not None else None
+        context = list(window.context)
+        head = rows_into_route(self.head, self.first, cache, context, 0, 0) if context else None
+        tail = rows_into_route(self.head, self.first, cache, window.tokens, len(context), len(context), window.parents)
+        return tail if head is None else np.concatenate([head, tail])

@@ -1,0 +1,117 @@
+"""The audit's pure rules: how far two runs of one window are apart, what tokens a route's peers hold before each
+window (its context, which an audit replays elsewhere), and where two routes' spans can be compared."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dsd.protocol import Hop
+
+# Honest replicas differ by their precision only: float32 against bfloat16 reaches a relative gap of about 0.02 per
+# position on the real target, float16 0.002 (bench/results/integrity-gaps-*.json); material lies (a skipped layer,
+# int4 weights, noise) reach 0.3 and more. 0.1 sits between with a margin of 5x to each side.
+DEFAULT_AUDIT_TOLERANCE = 0.1
+
+# One window in ten: a peer that lies on every window is caught within 44 windows with probability 0.99
+# ((1 - 0.1) ** 44 < 0.01) — a few hundred tokens — while the replicas recompute each token once plus a tenth of
+# the windows (bench/integrity.py measures what that costs).
+DEFAULT_AUDIT_RATE = 0.1
+
+
+def row_gaps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per position (row): ||a − b|| / max(||a||, ||b||) — symmetric (neither run is the reference), in [0, 2]."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot compare rows of shape {list(a.shape)} with {list(b.shape)}")
+    a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    scale = np.maximum(np.linalg.norm(a64, axis=-1), np.linalg.norm(b64, axis=-1))
+    return np.linalg.norm(a64 - b64, axis=-1) / np.maximum(scale, 1e-12)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two runs of the same rows, position by position, against a tolerance."""
+
+    gaps: np.ndarray
+    tolerance: float
+
+    @classmethod
+    def of(cls, a: np.ndarray, b: np.ndarray, tolerance: float) -> Comparison:
+        return cls(row_gaps(a, b), tolerance)
+
+    @property
+    def agree(self) -> bool:
+        return bool((self.gaps <= self.tolerance).all())
+
+    @property
+    def largest(self) -> float:
+        return float(self.gaps.max()) if self.gaps.size else 0.0
+
+    def evidence(self, offset: int = 0) -> dict[str, Any]:
+        """The positions beyond the tolerance (absolute, from `offset`) and their distances, for logs and `--json`."""
+        over = np.flatnonzero(self.gaps > self.tolerance)
+        return {"positions": [int(offset + i) for i in over[:32]], "distances": [round(float(self.gaps[i]), 4)
+                for i in over[:32]], "positions_over": int(over.size), "positions_compared": int(self.gaps.size),
+                "max_distance": round(self.largest, 4), "tolerance": self.tolerance}
+
+
+class HeldTokens:
+    """The tokens a route's peers hold, position by position, as windows are sent: each window first commits
+    (truncates to `commit`, or keeps the path `keep` of the last tree window), then appends its own rows. What
+    lies before a window's start is its context: what an audit must replay before running the window elsewhere."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._tree: list[int] | None = None  # the nodes of the last window, when it was a tree
+
+    def sent(
+        self, tokens: Sequence[int], start: int, commit: int | None, parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Note a window sent at `start`; returns its context (the tokens at positions 0..start-1)."""
+        if keep:
+            if self._tree is None or commit is None:
+                raise ValueError("keep names the path of a tree window, and none was sent")
+            held = self.tokens[:commit] + [self._tree[i] for i in keep]
+        else:
+            held = self.tokens if commit is None else self.tokens[:commit]
+        if start > len(held):
+            raise ValueError(f"a window at position {start}, but the peers hold {len(held)} tokens")
+        context = held[:start]
+        self.tokens = context + list(tokens)
+        self._tree = list(tokens) if parents is not None else None
+        return context
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Layers [start, end) that one hop of each route serves: where the two routes can be compared."""
+
+    start: int
+    end: int
+    route: Hop  # the audited route's hop serving these layers
+    replica: Hop  # the replica route's hop serving them
+
+
+def segments(route: Sequence[Hop], replica: Sequence[Hop]) -> list[Segment]:
+    """The two routes cut at every boundary of either, in layer order (both must cover the same layers)."""
+    if (route[0].start, route[-1].end) != (replica[0].start, replica[-1].end):
+        raise ValueError(f"the routes cover {route[0].start}:{route[-1].end} and {replica[0].start}:{replica[-1].end}")
+    cuts = sorted({h.start for h in route} | {h.end for h in route} | {h.start for h in replica} | {h.end for h in replica})
+
+    def serving(hops: Sequence[Hop], a: int) -> Hop:
+        return next(h for h in hops if h.start <= a < h.end)
+
+    return [Segment(a, b, serving(route, a), serving(replica, a)) for a, b in zip(cuts, cuts[1:], strict=False)]

@@ -1,0 +1,166 @@
+"""Blame after a failed audit: which span lied, found by running the window span by span on both routes.
+
+The two routes are cut at every boundary of either (`audit_rules.segments`). From the head's own input rows
+(trusted: it embedded the tokens), each segment is run on the audited route's peer and the replica's peer, each in a
+session of its own over just those layers (a peer serves any part of its span), on the same input rows: the whole
+context and the window. Where they agree, the agreed rows feed the next segment; at the first segment where they
+disagree, a third replica of those layers decides, and the peer it contradicts lied. A liar that lies only now and
+then may answer these probes honestly: the walk is repeated a few times before the mismatch is called unattributed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from dsd.discovery.host import P2PNode
+from dsd.discovery.swarm import SwarmWatch
+from dsd.protocol import Hop, WireFormat
+from dsd.protocol.route_state import short
+
+from .audit_rules import Comparison, Segment, segments
+from .errors import RouteError
+from .legs import ReturnLegs
+from .session import RouteSession, open_route_session
+
+log = logging.getLogger(__name__)
+
+BLAME_WALKS = 3  # walks before a mismatch nobody repeats is called unattributed
+PROBE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What blame found: `lied` (the `liar`), `disputed` (two peers disagree and nothing decides between them),
+    or `unattributed` (the mismatch did not repeat, or a probe failed); `silent` names peers that did not answer."""
+
+    kind: str
+    liar: str | None
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    silent: tuple[str, ...] = ()
+
+
+async def run_rows(
+    session: RouteSession, rows: np.ndarray, *, start: int, commit: int | None, parents: Sequence[int] | None = None,
+    chunk: int = 128, timeout: float = PROBE_TIMEOUT_S,
+) -> np.ndarray:
+    """Rows through an open session at positions start..: a chain in chunks (each awaited), a tree whole; the output
+    rows in order."""
+    if parents is not None:
+        return await session.forward(rows, start=start, commit=commit, parents=parents, timeout=timeout)
+    outs = []
+    for at in range(0, len(rows), chunk):
+        outs.append(await session.forward(rows[at : at + chunk], start=start + at, commit=commit if at == 0 else start + at,
+                                          timeout=timeout))
+    return np.concatenate(outs) if outs else rows[:0]
+
+
+class Prober:
+    """Runs one span of layers on one peer, in a session of its own, over a context and a window."""
+
+    def __init__(self, node: P2PNode, legs: ReturnLegs, *, model: str, max_len: int, wire: WireFormat) -> None:
+        self.node, self.legs, self.model, self.max_len, self.wire = node, legs, model, max_len, wire
+
+    async def run(self, peer: Hop, start: int, end: int, rows: np.ndarray, context: int,
+                  parents: Sequence[int] | None) -> np.ndarray:
+        """Layers [start, end) of `peer` over `rows` (the first `context` a chain, the rest the window)."""
+        hop = Hop(peer.peer_id, tuple(peer.addrs), start, end)
+        async with open_route_session(self.node, self.legs, [hop], model=self.model, max_len=self.max_len,
+                                      wire=self.wire, open_timeout_s=PROBE_TIMEOUT_S) as session:
+            head = await run_rows(session, rows[:context], start=0, commit=0) if context else rows[:0]
+            tail = await run_rows(session, rows[context:], start=context, commit=context, parents=parents)
+        return np.concatenate([head, tail])
+
+
+async def _both(prober: Prober, peers: Sequence[Hop], seg: Segment, rows: np.ndarray, context: int,
+                parents: Sequence[int] | None) -> list[np.ndarray | RouteError]:
+    """The segment on each of `peers` at once; a peer that fails gives its RouteError instead of rows."""
+    out: list[np.ndarray | RouteError] = [RouteError("no answer")] * len(peers)
+
+    async def one(i: int, peer: Hop) -> None:
+        try:
+            out[i] = await prober.run(peer, seg.start, seg.end, rows, context, parents)
+        except (RouteError, trio.TooSlowError) as exc:
+            out[i] = exc if isinstance(exc, RouteError) else RouteError(f"no answer: {exc!r}", peer=peer.peer_id)
+
+    async with trio.open_nursery() as nursery:
+        for i, peer in enumerate(peers):
+            nursery.start_soon(one, i, peer)
+    return out
+
+
+async def third_replicas(swarm: SwarmWatch, seg: Segment, exclude: set[str]) -> list[Hop]:
+    """Peers besides `exclude` (and the banned or blacklisted) that serve the segment's layers, nearest first."""
+    view = await swarm.refresh(max_age_s=30.0)
+    avoided = swarm.avoided() | exclude
+    found = [r for r in view.records if r.role == "block" and r.start <= seg.start and seg.end <= r.end
+             and r.peer_id not in avoided]
+    found.sort(key=lambda r: view.rtts.get(r.peer_id) or float("inf"))
+    return [Hop(r.peer_id, tuple(r.addrs), r.start, r.end) for r in found]
+
+
+async def locate_liar(
+    prober: Prober, swarm: SwarmWatch, route: Sequence[Hop], replica: Sequence[Hop], rows: np.ndarray, *,
+    context: int, parents: Sequence[int] | None, tolerance: float, walks: int = BLAME_WALKS,
+) -> Verdict:
+    """Walk the segments of `route` and `replica` from the head's input `rows` (see the module doc)."""
+    involved = {h.peer_id for h in route} | {h.peer_id for h in replica}
+    for walk in range(walks):
+        x = rows
+        for seg in segments(route, replica):
+            mine, theirs = await _both(prober, [seg.route, seg.replica], seg, x, context, parents)
+            silent = tuple(h.peer_id for h, o in ((seg.route, mine), (seg.replica, theirs)) if isinstance(o, RouteError))
+            if silent:
+                return Verdict("unattributed", None, f"{', '.join(short(p) for p in silent)} did not answer a blame "
+                               f"probe of layers {seg.start}:{seg.end}", {"blocks": f"{seg.start}:{seg.end}"}, silent)
+            assert isinstance(mine, np.ndarray) and isinstance(theirs, np.ndarray)
+            pair = Comparison.of(mine, theirs, tolerance)
+            if pair.agree:
+                x = theirs
+                continue
+            evidence = {"blocks": f"{seg.start}:{seg.end}", "route_peer": seg.route.peer_id,
+                        "replica_peer": seg.replica.peer_id, "route_vs_replica": pair.evidence(), "walk": walk + 1}
+            log.warning("blame: layers %d:%d differ between %s and %s (max %.3f); asking a third replica",
+                        seg.start, seg.end, short(seg.route.peer_id), short(seg.replica.peer_id), pair.largest)
+            verdict = await _third_opinion(prober, swarm, seg, x, context, parents, mine, theirs, tolerance,
+                                           involved, evidence)
+            if verdict is not None:
+                return verdict
+            break  # the third agreed with neither (or did not answer): walk again
+    return Verdict("unattributed", None, f"the mismatch did not repeat in {walks} span-by-span walks "
+                   "(a peer that lies now and then, or a fault of the audit's own route)")
+
+
+async def _third_opinion(
+    prober: Prober, swarm: SwarmWatch, seg: Segment, x: np.ndarray, context: int, parents: Sequence[int] | None,
+    mine: np.ndarray, theirs: np.ndarray, tolerance: float, involved: set[str], evidence: dict[str, Any],
+) -> Verdict | None:
+    """Ask third replicas of the segment, nearest first, until one answers: the peer it contradicts lied. None when
+    it agrees with neither; `disputed` when no third replica exists."""
+    for third in await third_replicas(swarm, seg, involved):
+        (out,) = await _both(prober, [third], seg, x, context, parents)
+        if isinstance(out, RouteError):
+            log.info("blame: third replica %s did not answer: %s", short(third.peer_id), out)
+            continue
+        with_route, with_replica = Comparison.of(out, mine, tolerance), Comparison.of(out, theirs, tolerance)
+        evidence = {**evidence, "third": third.peer_id, "third_vs_route": with_route.evidence(),
+                    "third_vs_replica": with_replica.evidence()}
+        if with_replica.agree and not with_route.agree:
+            return Verdict("lied", seg.route.peer_id, f"{short(seg.route.peer_id)} returned wrong hidden states for "
+                           f"layers {seg.start}:{seg.end} (max distance {with_route.largest:.3f}, tolerance "
+                           f"{tolerance})", evidence)
+        if with_route.agree and not with_replica.agree:
+            return Verdict("lied", seg.replica.peer_id, f"{short(seg.replica.peer_id)} returned wrong hidden states "
+                           f"for layers {seg.start}:{seg.end} (max distance {with_replica.largest:.3f}, tolerance "
+                           f"{tolerance})", evidence)
+        log.warning("blame: the third replica %s agrees with neither (%.3f, %.3f)", short(third.peer_id),
+                    with_route.largest, with_replica.largest)
+        return None
+    return Verdict("disputed", None, f"{short(seg.route.peer_id)} and {short(seg.replica.peer_id)} disagree on "
+                   f"layers {seg.start}:{seg.end} and no third replica of them answered to decide", evidence)
