@@ -61,14 +61,16 @@ BAN_S = 24 * 3600.0  # a peer caught returning wrong activations is avoided this
 
 @dataclass(frozen=True)
 class Ban:
-    """A peer caught lying: until when (unix time) and the evidence that convicted it."""
+    """A peer caught lying: until when (unix time), why in a line, and the evidence that convicted it."""
 
     peer_id: str
     until_unix: float
+    message: str
     evidence: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "until_unix": round(self.until_unix, 1), "evidence": self.evidence}
+        return {"peer_id": self.peer_id, "until_unix": round(self.until_unix, 1), "message": self.message,
+                "evidence": self.evidence}
 
 
 @dataclass
@@ -79,10 +81,10 @@ class Bans:
     duration_s: float = BAN_S
     _bans: dict[str, Ban] = field(default_factory=dict)
 
-    def add(self, peer: str, evidence: dict[str, Any], now_unix: float | None = None) -> Ban:
-        """Ban `peer` for `duration_s` from now with `evidence` (a later ban replaces an earlier one)."""
+    def add(self, peer: str, message: str, evidence: dict[str, Any], now_unix: float | None = None) -> Ban:
+        """Ban `peer` for `duration_s` from now, saying why (a later ban replaces an earlier one)."""
         now_unix = time.time() if now_unix is None else now_unix
-        ban = Ban(peer, now_unix + self.duration_s, evidence)
+        ban = Ban(peer, now_unix + self.duration_s, message, evidence)
         self._bans[peer] = ban
         return ban
 

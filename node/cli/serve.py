@@ -17,11 +17,13 @@ from dsd.node.service.defaults import (
 
 from .generate import _tree_nodes
 from .options import (
+    add_audit_options,
     add_deadline_options,
     add_device_options,
     add_head_options,
     add_overlap_options,
     add_wan_options,
+    audit_options,
     deadline_rule,
     fail,
     link_profile,
@@ -56,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
     add_deadline_options(p)
+    add_audit_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -83,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail("--max-tokens-default must be >= 1 and --max-context >= 2")
     try:  # what every request's generation would refuse, refused once at the start
         GenerationConfig(mode=args.mode, branches=args.branches, pipeline=args.pipeline, gamma_max=args.gamma_max)
+        audit = audit_options(args)
     except ValueError as exc:
         return fail(str(exc))
     try:
@@ -96,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mode=args.mode, branches=args.branches, pipeline=args.pipeline,
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
         deadline=deadline_rule(args),
-        max_context=args.max_context, default_max_tokens=args.max_tokens_default,
+        max_context=args.max_context, default_max_tokens=args.max_tokens_default, audit=audit,
     )
     cfg = ServeConfig(
         bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,

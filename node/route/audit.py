@@ -226,8 +226,8 @@ class Auditor:
             self.swarm.blacklist.add(peer)
         on_route = {h.peer_id for h in window.hops}
         if verdict.liar is not None:
-            ban = self.swarm.bans.add(verdict.liar, evidence)
-            self.ledger.banned.append({**ban.as_dict(), "message": verdict.message})
+            ban = self.swarm.bans.add(verdict.liar, verdict.message, evidence)
+            self.ledger.banned.append(ban.as_dict())
             log.warning("banned %s until %.0f: %s", short(verdict.liar), ban.until_unix, verdict.message)
             if verdict.liar not in on_route:
                 return  # the audited route was honest: nothing to redo

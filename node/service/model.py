@@ -27,6 +27,7 @@ from dsd.node.head.setup import (
     request_drafter,
 )
 from dsd.node.peer.generation import load_head_span
+from dsd.node.route.audit import AuditOptions
 from dsd.node.server.limits import ServerLimits
 from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store import SpanModule, Store
@@ -57,6 +58,7 @@ class HeadOptions:
     deadline: DeadlineRule = field(default_factory=DeadlineRule)
     max_context: int | None = None  # None: the model's positions, at most the peers' default --max-len
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    audit: AuditOptions | None = None  # how routes' windows are audited (None: not at all)
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ async def _generate(state: ServiceState, job: Job, on_tokens: Callable[[list[int
         try:
             return await generate_over_swarm(state.node, state.legs, state.swarm, head.setup_for(cfg), job.plan.prompt,
                                              cfg, target=RouteTarget(hops=hops, local=head.local_span),
-                                             tokenizer=head.tokenizer, on_tokens=on_tokens)
+                                             tokenizer=head.tokenizer, on_tokens=on_tokens, audit=head.options.audit)
         except GenerationFailed as exc:
             failure = exc.failure
             log.warning("request %s: generation failed after %d tokens (%s): %s; blamed %s", job.rid, len(exc.tokens),
@@ -198,6 +198,11 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
         report = await _generate(state, job, on_tokens)
     if route_record(report).failovers:
         state.swarm.poke()
+    audits = route_record(report).audits
+    if job.req.stream and audits is not None and audits.shown_wrong_from is not None:
+        raise WireError(502, f"a peer was caught returning wrong hidden states after text was streamed: the text sent "
+                        f"was wrong from token {audits.shown_wrong_from} on (the liar is banned; ask again for the "
+                        "corrected text)", type="server_error", code="peer_lied")
     tokens = list(report.tokens)
     text, stopped = cut_at_stop(head.decode(tokens), plan.cfg.stop_strings)
     ended = stopped or bool(tokens and tokens[-1] in plan.cfg.eos_ids)

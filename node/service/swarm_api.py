@@ -36,6 +36,7 @@ def short_id(peer_id: str) -> str:
 
 def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
     route = {h["peer_id"] for h in (report["route"] or {}).get("hops", [])}
+    banned = state.swarm.bans.active()
     surveyed = state.swarm.surveyed_unix
     peers = []
     for p in report["peers"]:
@@ -46,7 +47,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
             "throughput": p["throughput"], "rtt_ms": p["rtt_ms"], "cache_tokens_left": p["cache_tokens_left"],
             "version": p["version"], "dtype": p["dtype"], "alive": alive, "in_route": p["peer_id"] in route,
             "last_seen_unix": seen, "state": "alive" if alive else "unreachable",
-            "reachability": p.get("reachability", "unknown"), "link": p.get("link"),
+            "reachability": p.get("reachability", "unknown"), "link": p.get("link"), "banned": p["peer_id"] in banned,
         })
     listed = {p["peer_id"] for p in peers}
     for peer_id, (rec, seen) in sorted(state.swarm.last_alive.items(), key=lambda kv: (kv[1][0].start, kv[0])):
@@ -56,6 +57,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "throughput": rec.throughput, "rtt_ms": None, "cache_tokens_left": rec.cache_tokens_left,
                 "version": rec.version, "dtype": rec.dtype, "alive": False, "in_route": False,
                 "last_seen_unix": seen, "state": "gone", "reachability": rec.reachability, "link": None,
+                "banned": peer_id in banned,
             })
     return peers
 
@@ -103,6 +105,7 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
         "route": route,
         "missing_blocks": report["missing_blocks"],
         "error": report["error"],
+        "bans": [{**b.as_dict(), "short_id": short_id(b.peer_id)} for b in watch.bans.active().values()],
         "requests": [_request(r) for r in list(state.records)[-REQUESTS_SHOWN:][::-1]],
         "service": {
             "mode": head.options.mode, "draft": draft_kind(head.options.draft), "running": state.admission.running,
