@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dsd.node.server.faults import Fault, parse_fault
 from dsd.node.server.limits import ServerLimits
 
 from .options import (
@@ -49,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this peer's Prometheus metrics at http://HOST:P/metrics (sessions, forward step times by window size, bytes, KV tokens, errors by code); 0 = any free port, its URL goes to --ready-file (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address --metrics-port listens on (default 127.0.0.1: this machine only)")
+    p.add_argument("--faulty", default=None, metavar="MODE", help=argparse.SUPPRESS)  # lie on purpose: tests, demos
     fed = p.add_argument_group("federated worker (SpecFed)")
     fed.add_argument("--federated", action="store_true", help="load the whole model of --store and answer draft windows with top-K distributions")
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="largest K this worker returns (default: the vocabulary size)")
@@ -77,7 +79,11 @@ def cmd_start(args: argparse.Namespace) -> int:
     from dsd.protocol import WireFormat
     from dsd.shard_store import StoreError
 
-
+    try:
+        fault = faulty_option(args)
+    except ValueError as exc:
+        print(f"dsd-node: {exc}", file=sys.stderr)
+        return 2
     cfg = DaemonConfig(
         identity=args.identity,
         listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
@@ -108,6 +114,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         reachability=args.reachability,
         relay=args.relay,
+        fault=fault,
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         print(f"dsd-node: --metrics-port must be in 0..65535, got {args.metrics_port}", file=sys.stderr)
@@ -127,6 +134,17 @@ def cmd_start(args: argparse.Namespace) -> int:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def faulty_option(args: argparse.Namespace) -> Fault | None:
+    """The hidden `--faulty MODE` (a block peer that lies on purpose, for tests and demos): its Fault, or ValueError
+    for a bad mode or a peer that serves no block span (a bootstrap node or a federated worker)."""
+    if args.faulty is None:
+        return None
+    if args.bootstrap_only or args.federated:
+        role = "--bootstrap-only" if args.bootstrap_only else "--federated"
+        raise ValueError(f"--faulty makes a block peer lie; it cannot be used with {role}")
+    return parse_fault(args.faulty)
 
 
 def cmd_route(args: argparse.Namespace) -> int:

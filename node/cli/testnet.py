@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dsd.node.server.faults import MODES
+
 from .options import add_device_options, add_wan_options, fail, link_profile
 
 
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--spawn", choices=("fork", "exec"), default="fork",
                     help="how the daemons after the bootstrap start: fork = copies of this process, which imports torch, "
                          "transformers and libp2p once for all of them (default); exec = a new interpreter each")
+    up.add_argument("--faulty", action="append", default=[], metavar="INDEX:MODE", help=f"block peer INDEX (0-based) lies on purpose, for tests and demos only (repeatable); MODE: {', '.join(MODES)}")
     up.add_argument("--metrics", action="store_true", help="every daemon serves its Prometheus metrics on a free 127.0.0.1 port (start --metrics-port 0); the URLs are in the state")
     fed = up.add_argument_group("federated mode: whole-model workers instead of block peers")
     fed.add_argument("--federated", action="store_true", help="start one federated worker per store (--store, --store2 or --worker-stores)")
@@ -61,7 +64,7 @@ def spec_of(args: argparse.Namespace):
         codec=args.codec, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
         device=args.device, dtype=args.dtype, metrics=args.metrics,
-        fork_program=args.program if args.spawn == "fork" else None,
+        fork_program=args.program if args.spawn == "fork" else None, faults=args.faulty,
     )
 
 
@@ -80,7 +83,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"testnet up in {state.up_seconds:.1f} s: bootstrap {state.bootstrap}")
         for p in state.peers[1:]:
             what = "federated worker" if p.role == "federated" else "blocks"
-            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}")
+            lies = f"  faulty {p.fault}" if p.fault else ""
+            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}{lies}")
         print(f"state in {args.state}; stop with: dsd-node testnet down --state {args.state}")
     return 0
 
@@ -121,5 +125,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"bootstrap {state.bootstrap}  model {state.model}  wan {state.wan}")
         for p in d["peers"]:
             span = "" if p["start"] is None else f"blocks {p['start']}:{p['end']}"
-            print(f"  {p['name']:10s} {'up  ' if p['alive'] else 'DOWN'} pid {p['pid']:<8d} {span:14s} {p['peer_id']}")
+            lies = f"  faulty {p['fault']}" if p.get("fault") else ""
+            print(f"  {p['name']:10s} {'up  ' if p['alive'] else 'DOWN'} pid {p['pid']:<8d} {span:14s} {p['peer_id']}{lies}")
     return 0 if all(p["alive"] for p in d["peers"]) else 1

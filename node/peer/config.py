@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsd.node.server.faults import Fault
 from dsd.node.server.limits import ServerLimits
 from dsd.protocol import WireFormat
 
@@ -45,6 +46,7 @@ class DaemonConfig:
     metrics_host: str = DEFAULT_METRICS_HOST
     reachability: str = "auto"  # auto (AutoNAT dial-backs) | public | private (reached through relays)
     relay: bool | None = None  # serve circuit relay v2; None: only a bootstrap-only node does
+    fault: Fault | None = None  # `--faulty`: the block server lies on purpose (tests and demos only)
 
 
 def parse_blocks(text: str, num_layers: int) -> tuple[int, int]:

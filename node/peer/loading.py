@@ -185,12 +185,14 @@ async def load_blocks(
     t0 = time.perf_counter()
     server = await trio.to_thread.run_sync(
         lambda: BlockServer(node, store, start, end, limits=cfg.limits, wire=cfg.wire,
-                            device=placement.device, dtype=placement.dtype)
+                            device=placement.device, dtype=placement.dtype, fault=cfg.fault)
     )
     log.info("loaded blocks %d:%d of %s on %s in %.1f s", start, end, server.model_id, placement, time.perf_counter() - t0)
     throughput = await server.measure_throughput()
     info.update(model=server.model_id, start=start, end=end, num_layers=int(store.manifest.num_layers),
                 throughput=throughput, device=str(placement.device), dtype=placement.dtype_name, codec=server.wire.codec)
+    if cfg.fault is not None:
+        info["fault"] = str(cfg.fault)
     return server
 
 

@@ -9,6 +9,7 @@ A window may be a token tree (`Forward.parents`); the next window's `keep` names
 accepted path, which every peer of the ring keeps in its cache instead of truncating.
 The span computes on its device in its dtype (weights and KV caches live there); hidden states
 cross to the CPU only to be put on the wire, by default in the codec of the compute dtype.
+A faulty peer (`faults`, `--faulty`: tests and demos only) sends lies instead, after the same honest step.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import SpanModule, Store
 from dsd.shard_store.dtypes import dtype_name
 
+from .faults import Fault, FaultySession
 from .ledger import (
     Ledger,
     Liveness,
@@ -78,6 +80,7 @@ class Session:
     windows: int = 0
     liveness: Liveness = field(default_factory=Liveness)
     links: tuple[str, ...] = ()  # how the legs from here to the head travel (direct | relayed | hole-punched)
+    lies: FaultySession | None = None  # a faulty peer's lying state (tests and demos only)
 
     @property
     def id(self) -> str:
@@ -103,6 +106,7 @@ class BlockServer:
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         metrics: PeerMetrics | None = None,
+        fault: Fault | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -110,6 +114,11 @@ class BlockServer:
         self.start, self.end = start, end
         self.limits = limits or ServerLimits()
         self.span: SpanModule = store.load_span(start, end, device=device, dtype=dtype)
+        self.fault = fault
+        if fault is not None:
+            fault.prepare(self.span)
+            log.warning("this peer LIES ON PURPOSE (--faulty %s): it returns wrong hidden states; for tests and "
+                        "demos only, never on a real swarm", fault)
         self.dtype_name = dtype_name(self.span.dtype)
         self.wire = (wire or WireFormat("auto")).for_dtype(self.dtype_name)
         self.hidden_size = int(store.manifest.hidden_size)
@@ -155,6 +164,13 @@ class BlockServer:
     ) -> np.ndarray:
         out = span.step(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache, commit=commit, parents=parents, keep=keep)
         return out[0].to("cpu").to(torch.float32).numpy()  # cross in the compute dtype, widen on the CPU
+
+    def _window(self, session: Session, hidden: np.ndarray, msg: Forward, commit: int | None) -> np.ndarray:
+        """The rows one window sends down: the span's output, or a faulty peer's lie (after the same honest step)."""
+        def honest() -> np.ndarray:
+            return self._run_span(session.span, hidden, msg.start, session.cache, msg.parents, commit, msg.keep)
+
+        return honest() if session.lies is None else session.lies.step(session.span, hidden, honest)
 
     async def measure_throughput(self, tokens: int = 1, repeats: int = 3) -> float:
         """Decode-step tokens per second of this span on its device and dtype, measured on a scratch cache
@@ -259,7 +275,7 @@ class BlockServer:
         span = self._span_for(msg.start, msg.end)
         state = SessionState(msg.session, msg.max_len, self.limits.max_window)
         session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote,
-                          links=links)
+                          links=links, lies=self.fault.session() if self.fault else None)
         self.sessions[key] = session
         return session
 
@@ -383,10 +399,7 @@ class BlockServer:
         hidden = self._hidden(msg)
         session.state.extend(hidden.shape[0], msg.parents)
         commit = msg.commit if msg.keep else length  # begin checked a kept path against the last window
-        out, seconds = await trio.to_thread.run_sync(
-            timed, self._run_span, session.span, hidden, msg.start, session.cache, msg.parents, commit, msg.keep,
-            limiter=self._compute,
-        )
+        out, seconds = await trio.to_thread.run_sync(timed, self._window, session, hidden, msg, commit, limiter=self._compute)
         self.metrics.observe_forward(hidden.shape[0], seconds)
         session.windows += 1
         self.windows_served += 1

@@ -41,6 +41,7 @@ class PeerProcess:
     role: str = "block"
     metrics_url: str | None = None  # with `testnet up --metrics`: its Prometheus endpoint
     started: int | None = None  # the kernel's start time of the process (clock ticks): tells it from a reused pid
+    fault: str | None = None  # with `testnet up --faulty INDEX:MODE`: how this block peer lies on purpose
 
     @classmethod
     def from_dict(cls, d: dict) -> PeerProcess:

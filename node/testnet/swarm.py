@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from dsd.node.peer.shaper import LinkProfile
+from dsd.node.server.faults import parse_fault
 from dsd.shard_store.manifest import Manifest
 
 from .processes import (
@@ -61,6 +62,7 @@ class SwarmSpec:
     # what they load once, instead of each starting a new interpreter. Only for a caller that has run no
     # thread, event loop or torch yet (the CLI's `testnet up`); None: every daemon is a new interpreter.
     fork_program: Callable[[list[str]], None] | None = None
+    faults: list[str] = field(default_factory=list)  # "INDEX:MODE": block peer INDEX lies on purpose (tests, demos)
 
 
 def prepare_state_dir(state_dir: Path) -> Path:
@@ -134,6 +136,7 @@ class _Launch:
 
 def bring_up(spec: SwarmSpec) -> TestnetState:
     """Start the processes, wait until a head can use the swarm, return the state (stopping all on failure)."""
+    faults = peer_faults(spec)
     if spec.federated:
         stores = spec.worker_stores or ([spec.store] if spec.store else [])
         if not stores:
@@ -150,7 +153,7 @@ def bring_up(spec: SwarmSpec) -> TestnetState:
         boot = launch.bootstrap()
         if spec.federated:
             return _up_workers(launch, boot, stores, next(iter(vocabs.values())))
-        return _up_blocks(launch, boot)
+        return _up_blocks(launch, boot, faults)
     except BaseException:
         stop_processes(list(reversed(launch.started)))
         raise
@@ -167,7 +170,27 @@ def _family_module(spec: SwarmSpec) -> str | None:
     return adapter.module if adapter else None
 
 
-def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:
+def peer_faults(spec: SwarmSpec) -> dict[int, str]:
+    """`--faulty INDEX:MODE` values as {block peer index: mode}; SwarmError for a bad form, index or mode."""
+    if spec.faults and spec.federated:
+        raise SwarmError("--faulty makes block peers lie; a --federated testnet has none")
+    faults: dict[int, str] = {}
+    for item in spec.faults:
+        index, sep, mode = item.partition(":")
+        if not sep or not index.strip().isdigit():
+            raise SwarmError(f"--faulty {item}: expected INDEX:MODE, e.g. 1:noise")
+        if not 0 <= int(index) < spec.peers:
+            raise SwarmError(f"--faulty {item}: block peer index {int(index)} is not in 0..{spec.peers - 1}")
+        if int(index) in faults:
+            raise SwarmError(f"--faulty {item}: block peer {int(index)} already has a fault ({faults[int(index)]})")
+        try:
+            faults[int(index)] = str(parse_fault(mode))
+        except ValueError as exc:
+            raise SwarmError(f"--faulty {item}: {exc}") from None
+    return faults
+
+
+def _up_blocks(launch: _Launch, boot: PeerProcess, faults: dict[int, str]) -> TestnetState:
     spec = launch.spec
     assert spec.store is not None
     manifest = Manifest.read(spec.store)
@@ -178,8 +201,9 @@ def _up_blocks(launch: _Launch, boot: PeerProcess) -> TestnetState:
         proc = launch.spawn(f"peer{i}", [
             "start", "--store", str(spec.store), "--blocks", f"{start}:{end}", "--bootstrap", boot.multiaddr,
             "--threads", str(spec.threads), "--codec", spec.codec, "--record-ttl", str(spec.record_ttl_s),
+            *(["--faulty", faults[i]] if i in faults else []),
         ])
-        proc.start, proc.end = start, end
+        proc.start, proc.end, proc.fault = start, end, faults.get(i)
     launch.await_peers()
     state = TestnetState(bootstrap=boot.multiaddr, model=manifest.model_id, store=str(spec.store),
                          num_layers=num_layers, peers=launch.started, wan=spec.link.as_dict())
