@@ -53,6 +53,7 @@ LIES = ("int8", "int4", "skip-last-layer")
 SPANS = ("half", "full")
 KINDS = ("prompt", "continuation")
 INT4_GROUP = 32
+CANDIDATES = (0.03, 0.05, 0.06, 0.08, 0.1)  # tolerances whose share of rows above them the summary reports
 
 
 def log(msg: str) -> None:
@@ -68,10 +69,11 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> list[float]:
 
 
 def stats(values: Sequence[float]) -> dict[str, Any]:
-    """Max, p99 and median (`harness.percentile`, linear interpolation) of per-position gaps; None when empty."""
+    """Max, p99, median (`harness.percentile`, linear interpolation) and min of per-position gaps; None when empty."""
     if not values:
-        return {"n": 0, "max": None, "p99": None, "median": None}
-    return {"n": len(values), "max": max(values), "p99": percentile(values, 0.99), "median": percentile(values, 0.5)}
+        return {"n": 0, "max": None, "p99": None, "median": None, "min": None}
+    return {"n": len(values), "max": max(values), "p99": percentile(values, 0.99), "median": percentile(values, 0.5),
+            "min": min(values)}
 
 
 # --- weight lies ------------------------------------------------------------------------------------------------
@@ -223,8 +225,9 @@ def variant_gaps(store: Store, variant: str, prompts: dict[int, list[int]], refs
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Per variant, span and window kind, from the raw per-position gaps: overall stats with and without
-    position 0, per-prompt stats, how many prompts have a nonzero max at position 0, and the smallest per-window
-    max (for a lie: how clearly its least visible window stands out)."""
+    position 0, per-prompt stats, how many prompts have a nonzero max at position 0, the smallest per-window
+    max (for a lie: how clearly its least visible window stands out) and the share of rows past each of
+    `CANDIDATES` (position 0 left out)."""
     problems = [p["problem"] for p in result["prompts"]]
     out: dict[str, Any] = {}
     for variant, spans in result["raw"].items():
@@ -234,9 +237,12 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 per = [{"problem": p, **stats(r), "argmax": max(range(len(r)), key=r.__getitem__) + (
                     0 if kind == "prompt" else result["prompts"][i]["prompt_tokens"])}
                     for i, (p, r) in enumerate(zip(problems, rows, strict=False))]
+                rest = [v for r in rows for v in r[first:]]
                 out.setdefault(variant, {}).setdefault(span, {})[kind] = {
                     "overall": stats([v for r in rows for v in r]),
-                    "overall_without_pos0": stats([v for r in rows for v in r[first:]]),
+                    "overall_without_pos0": stats(rest),
+                    "share_above_without_pos0": {str(t): round(sum(v > t for v in rest) / len(rest), 4)
+                                                 for t in CANDIDATES},
                     "max_at_pos0": sum(1 for x in per if x["argmax"] == 0 and x["max"] > 0),
                     "min_window_max": min(max(r) for r in rows),
                     "min_window_max_without_pos0": min(max(r[first:]) for r in rows),
@@ -247,16 +253,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width table, one row per variant, span and window kind."""
-    head = (f"{'variant':<16}{'span':<6}{'window':<14}{'max':>10}{'p99':>10}{'median':>10}"
-            f"{'max-p0':>10}{'p99-p0':>10}{'med-p0':>10}{'minWinMax':>11}{'@p0':>5}")
+    head = (f"{'variant':<16}{'span':<6}{'window':<14}{'max':>10}{'max-p0':>10}{'p99-p0':>10}{'med-p0':>10}"
+            f"{'min-p0':>10}{'minWinMax':>11}{'>0.06':>7}{'@p0':>5}")
     lines = [head, "-" * len(head)]
     for variant, spans in summary.items():
         for span, kinds in spans.items():
             for kind, s in kinds.items():
                 o, w = s["overall"], s["overall_without_pos0"]
-                lines.append(f"{variant:<16}{span:<6}{kind:<14}{o['max']:>10.2e}{o['p99']:>10.2e}{o['median']:>10.2e}"
-                             f"{w['max']:>10.2e}{w['p99']:>10.2e}{w['median']:>10.2e}"
-                             f"{s['min_window_max_without_pos0']:>11.2e}{s['max_at_pos0']:>5}")
+                lines.append(f"{variant:<16}{span:<6}{kind:<14}{o['max']:>10.2e}{w['max']:>10.2e}{w['p99']:>10.2e}"
+                             f"{w['median']:>10.2e}{w['min']:>10.2e}{s['min_window_max_without_pos0']:>11.2e}"
+                             f"{s['share_above_without_pos0']['0.06']:>7.1%}{s['max_at_pos0']:>5}")
+    lines.append("-p0: position 0 left out; minWinMax: the smallest window max (-p0); >0.06: share of rows (-p0) "
+                 "past 0.06; @p0: prompts whose max is at position 0")
     return "\n".join(lines)
 
 
