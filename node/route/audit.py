@@ -66,6 +66,7 @@ class AuditLedger:
     audited: int = 0
     passed: int = 0
     failed: int = 0
+    closest: float = 0.0  # the largest distance an audit that passed saw (how near honest replicas come)
     skipped: dict[str, int] = field(default_factory=dict)  # why chosen windows were not audited
     banned: list[dict[str, Any]] = field(default_factory=list)
     repairs: list[dict[str, Any]] = field(default_factory=list)  # regenerations: from which token, why
@@ -78,7 +79,7 @@ class AuditLedger:
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.options.rate, "tolerance": self.options.tolerance, "windows": self.windows,
-                "audited": self.audited, "passed": self.passed, "failed": self.failed, "skipped": dict(self.skipped),
+                "audited": self.audited, "passed": self.passed, "failed": self.failed, "closest": round(self.closest, 4), "skipped": dict(self.skipped),
                 "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
 
 
@@ -199,17 +200,18 @@ class Auditor:
             await self._close_replica()
             return
         self.ledger.audited += 1
-        check = Comparison.of(window.rows, rows, self.options.tolerance)
+        check = Comparison.of(window.rows, rows, self.options.tolerance, len(window.context))
         if check.agree:
             self.ledger.passed += 1
+            self.ledger.closest = max(self.ledger.closest, check.largest)
             self.good = max(self.good, len(window.context) + 1)
             return
         self.ledger.failed += 1
         replica = list(session.hops)
-        evidence = {"window": window.index, **check.evidence(len(window.context)), "route": [h.peer_id for h in
+        evidence = {"window": window.index, **check.evidence(), "route": [h.peer_id for h in
                     window.hops], "replica": [h.peer_id for h in replica]}
         log.warning("audit of window %d failed: %d of %d positions beyond %.3f (max %.3f) between route %s and "
-                    "replicas %s; finding the liar", window.index, evidence["positions_over"], len(window.rows),
+                    "replicas %s; finding the liar", window.index, evidence["positions_over"], check.gaps.size,
                     self.options.tolerance, check.largest, [short(p) for p in evidence["route"]],
                     [short(p) for p in evidence["replica"]])
         await self._close_replica()

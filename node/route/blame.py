@@ -95,13 +95,14 @@ async def _both(prober: Prober, peers: Sequence[Hop], seg: Segment, rows: np.nda
     return out
 
 
-async def third_replicas(swarm: SwarmWatch, seg: Segment, exclude: set[str]) -> list[Hop]:
-    """Peers besides `exclude` (and the banned or blacklisted) that serve the segment's layers, nearest first."""
+async def third_replicas(swarm: SwarmWatch, seg: Segment, involved: set[str]) -> list[Hop]:
+    """Peers that serve the segment's layers besides its two candidates (and the banned or blacklisted): those on
+    neither route first, then those the routes use for other layers; nearest first in each group."""
     view = await swarm.refresh(max_age_s=30.0)
-    avoided = swarm.avoided() | exclude
+    avoided = swarm.avoided() | {seg.route.peer_id, seg.replica.peer_id}
     found = [r for r in view.records if r.role == "block" and r.start <= seg.start and seg.end <= r.end
              and r.peer_id not in avoided]
-    found.sort(key=lambda r: view.rtts.get(r.peer_id) or float("inf"))
+    found.sort(key=lambda r: (r.peer_id in involved, view.rtts.get(r.peer_id) or float("inf")))
     return [Hop(r.peer_id, tuple(r.addrs), r.start, r.end) for r in found]
 
 
