@@ -191,14 +191,16 @@ def swarm(spec: Any) -> Iterator[Any]:
         stop_processes(list(reversed(state.peers)))
 
 
-def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *,
-            timeout_s: float = 600.0) -> contextlib.AbstractContextManager[Any]:
-    """A local testnet (bootstrap + `peers` block peers, 1 thread each, WAN latency) that is always stopped."""
+def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, timeout_s: float = 600.0,
+            replicas: int = 1, faults: Sequence[str] = (), threads: int = 1) -> contextlib.AbstractContextManager[Any]:
+    """A local testnet (bootstrap + `peers` block peers in `peers / replicas` spans, `threads` each, WAN latency;
+    `faults` as `testnet up --faulty`) that is always stopped."""
     from dsd.node.peer.shaper import LinkProfile
     from dsd.node.testnet.swarm import SwarmSpec
 
     return swarm(SwarmSpec(state=state_dir, store=store, peers=peers, record_ttl_s=60.0, timeout_s=timeout_s,
-                           link=LinkProfile.from_options(latency_ms)))
+                           link=LinkProfile.from_options(latency_ms), replicas=replicas, faults=list(faults),
+                           threads=threads))
 
 
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:

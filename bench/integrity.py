@@ -18,6 +18,9 @@ without position 0 (whose hidden state has a huge norm), and how often a prompt'
 
     python bench/integrity.py gaps --out bench/results/integrity-gaps-DATE.json    # minutes on 2 threads
     python bench/integrity.py summarize bench/results/integrity-gaps-DATE.json     # recompute, print a table
+
+`detect` (windows a liar survives, per mode and audit rate) and `overhead` (tok/s with and without audits) run on
+a live local swarm: see `integrity_swarm.py`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from harness import (
     today,
     write_json,
 )
+from integrity_swarm import detect_main, overhead_main
 
 if TYPE_CHECKING:
     import torch
@@ -335,7 +339,8 @@ def summarize_main(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"gaps": gaps_main, "summarize": summarize_main}
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"gaps": gaps_main, "summarize": summarize_main,
+                                                       "detect": detect_main, "overhead": overhead_main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
