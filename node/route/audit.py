@@ -39,6 +39,7 @@ from .session import RouteSession
 log = logging.getLogger(__name__)
 
 QUEUE = 64  # audits waiting for the auditor; beyond that a chosen window is skipped (counted)
+REPLAN_S = 30.0  # after finding no replica route, audits are skipped this long before the swarm is surveyed again
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class Auditor:
         self._nursery: trio.Nursery | None = None
         self._session: RouteSession | None = None
         self._held: list[int] = []  # the tokens the replica route holds
+        self._no_replica: tuple[float, str] | None = None  # (until when, why) no replica route is looked for
         self._first_cache = local_first.new_cache() if local_first is not None else None
         self.good = 0  # positions before the last window that passed
         self.failure: AuditFailure | None = None
@@ -245,10 +247,16 @@ class Auditor:
         if session is not None and not (set(session.peers) & (audited | self.swarm.avoided())):
             return session
         await self._close_replica()
+        if self._no_replica is not None and trio.current_time() < self._no_replica[0]:
+            self.ledger.skip(self._no_replica[1])
+            return None
         view = await self.swarm.plan(frozenset(audited))
         if view.plan is None:
-            self.ledger.skip(f"no replica route disjoint from the audited one: {view.error}")
+            why = f"no replica route disjoint from the audited one: {view.error}"
+            self._no_replica = (trio.current_time() + REPLAN_S, why)
+            self.ledger.skip(why)
             return None
+        self._no_replica = None
         assert self._nursery is not None
         session = RouteSession(self.node, self.legs, view.plan.protocol_hops(), model=self.swarm.model,
                                max_len=self.max_len, wire=self.wire)
