@@ -56,7 +56,6 @@ HONEST = ("float32-steps", "bfloat16", "float16")
 LIES = ("int8", "int4", "skip-last-layer")
 SPANS = ("half", "full")
 KINDS = ("prompt", "continuation")
-INT4_GROUP = 32
 CANDIDATES = (0.03, 0.05, 0.06, 0.08, 0.1)  # tolerances whose share of rows above them the summary reports
 
 
@@ -88,23 +87,6 @@ def fake_int8_rows(w: torch.Tensor) -> torch.Tensor:
     return (w / scale).round().clamp(-127, 127) * scale
 
 
-def fake_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """`w` [out, in] rounded to 4 bits in groups of `group` inputs: scale absmax/7, symmetric."""
-    out, inp = w.shape
-    g = w.reshape(out, inp // group, group)
-    scale = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 7
-    return ((g / scale).round().clamp(-7, 7) * scale).reshape(out, inp)
-
-
-def quantize_linears(span: SpanModule, fake: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Replace every linear weight of the span by `fake(weight)`, a new tensor (the store's mmap is never written)."""
-    from torch import nn
-
-    for module in span.modules():
-        if isinstance(module, nn.Linear):
-            module.weight = nn.Parameter(fake(module.weight.detach()), requires_grad=False)
-
-
 # --- running windows ----------------------------------------------------------------------------------------------
 
 def span_pieces(store: Store, variant: str) -> list[SpanModule]:
@@ -112,14 +94,16 @@ def span_pieces(store: Store, variant: str) -> list[SpanModule]:
     [L/2, L), or for `skip-last-layer` [0, L/2 - 1) and [L/2 - 1, L - 1) (each span without its last layer)."""
     import torch
 
+    from dsd.node.server.faults import int4_weight, replace_linear_weights
+
     layers = store.num_layers
     half = layers // 2
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(variant, torch.float32)
     span = store.load_span(0, layers, dtype=dtype)
     if variant == "int8":
-        quantize_linears(span, fake_int8_rows)
+        replace_linear_weights(span, fake_int8_rows)
     elif variant == "int4":
-        quantize_linears(span, fake_int4_groups)
+        replace_linear_weights(span, int4_weight)  # the faulty peers' own int4 (node/server/faults.py)
     cuts = [(0, half - 1), (half - 1, layers - 1)] if variant == "skip-last-layer" else [(0, half), (half, layers)]
     return [span.sub(a, b) for a, b in cuts]
 

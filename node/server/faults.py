@@ -7,7 +7,7 @@ Every lie keeps the honest shape and dtype, so a receiver cannot tell it by its 
 - `skip-layer`: what the span computes without its last layer (a 1-layer span: its input);
 - `identity`: the input rows unchanged;
 - `stale`: the session's previous window's rows (trimmed, or the last one repeated); its first window is honest;
-- `int4`: every Linear weight of the span fake-quantized to 4 bits at load (`quantize_int4`), so all windows use them;
+- `int4`: every Linear weight of the span fake-quantized to 4 bits at load (`replace_linear_weights` with `int4_weight`), so all windows use them;
 - `intermittent:F`: `noise` on a share F of the windows, drawn independently per window.
 
 The KV cache always takes the honest step (`FaultySession.step` runs it first), so commits, kept paths of
@@ -48,7 +48,7 @@ class Fault:
     def prepare(self, span: SpanModule) -> None:
         """Change the loaded span once, before it serves (`int4` quantizes its weights; other modes leave it)."""
         if self.mode == "int4":
-            quantize_int4(span)
+            replace_linear_weights(span, int4_weight)
 
     def session(self, seed: int | None = None) -> FaultySession:
         """A session's lying state (its previous rows, its random draws; `seed` for reproducible tests)."""
@@ -143,10 +143,9 @@ def last_layer_input(span: SpanModule) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
-def quantize_int4(span: SpanModule, group: int = INT4_GROUP) -> int:
-    """Fake-quantize every Linear weight of the span in place of the old one (symmetric absmax per `group` input
-    columns of each output row, 4 bits, dequantized to the weight's dtype); returns how many. The layer modules
-    keep the new weights, so sub-spans sharing them compute with them too."""
+def replace_linear_weights(span: SpanModule, fake: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Every Linear weight of the span replaced by `fake(weight)`, a new tensor (a store's mmap is never written);
+    returns how many. The layer modules keep the new weights, so sub-spans sharing them compute with them too."""
     import torch
     from torch import nn
 
@@ -154,7 +153,7 @@ def quantize_int4(span: SpanModule, group: int = INT4_GROUP) -> int:
     with torch.no_grad():
         for module in span.layers.modules():
             if isinstance(module, nn.Linear):
-                module.weight = nn.Parameter(int4_weight(module.weight, group), requires_grad=False)
+                module.weight = nn.Parameter(fake(module.weight), requires_grad=False)
                 count += 1
     return count
 
