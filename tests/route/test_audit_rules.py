@@ -1,0 +1,93 @@
+"""The audit's pure rules: distances per position (position 0 left out), the context each window follows, where two
+routes can be compared; and the pieces of a repair: text streamed once across regenerations, counters joined."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsd.node.head.report import GenerationResult, TimeBreakdown
+from dsd.node.head.streaming import RepairGuard
+from dsd.node.route.audit_rules import Comparison, HeldTokens, common_prefix, row_gaps, segments
+from dsd.protocol import Hop
+
+
+def hop(peer: str, start: int, end: int) -> Hop:
+    return Hop(peer, ("/ip4/127.0.0.1/tcp/1",), start, end)
+
+
+def test_row_gaps_are_symmetric_relative_distances_per_position() -> None:
+    a = np.array([[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]])
+    b = np.array([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0]])
+    assert row_gaps(a, b) == pytest.approx([0.0, 2**0.5, 0.0])
+    assert row_gaps(a, b) == pytest.approx(row_gaps(b, a))
+    with pytest.raises(ValueError, match="shape"):
+        row_gaps(a, b[:2])
+
+
+def test_position_zero_is_left_out_and_the_evidence_names_absolute_positions() -> None:
+    rng = np.random.default_rng(0)
+    honest = rng.standard_normal((6, 8))
+    told = honest.copy()
+    told[0] *= -1  # the attention sink's row: not compared
+    assert Comparison.of(told, honest, 0.1, start=0).agree
+    told[4] += 10.0
+    check = Comparison.of(told, honest, 0.1, start=0)
+    assert not check.agree and check.evidence()["positions"] == [4] and check.evidence()["positions_compared"] == 5
+    later = Comparison.of(told, honest, 0.1, start=20)  # a window at 20..25: its first row is compared
+    assert later.evidence()["positions"] == [20, 24]
+
+
+def test_held_tokens_follow_chains_trees_kept_paths_and_replays() -> None:
+    held = HeldTokens()
+    assert held.sent([1, 2, 3, 4], 0, 0) == []  # the prompt
+    assert held.sent([4, 5, 6], 3, 3) == [1, 2, 3]  # [last committed, drafts]
+    assert held.sent([7, 8], 6, 6) == [1, 2, 3, 4, 5, 6]  # sent ahead: keeps every row
+    assert held.sent([5, 9, 10, 11], 4, 4, parents=[-1, 0, 0, 1]) == [1, 2, 3, 4]  # a tree after a rejection
+    assert held.sent([12], 7, 4, keep=[0, 2, 3]) == [1, 2, 3, 4, 5, 10, 11]  # its accepted path kept
+    assert held.sent([1, 2, 3], 0, 0) == []  # a replay on a new route starts over
+    with pytest.raises(ValueError, match="hold 3 tokens"):
+        held.sent([9], 5, 5)
+    with pytest.raises(ValueError, match="tree"):
+        held.sent([9], 3, 3, keep=[0])
+
+
+def test_segments_cut_both_routes_at_every_boundary() -> None:
+    route = [hop("a", 0, 1), hop("l", 1, 3), hop("b", 3, 5)]
+    replica = [hop("f", 0, 5)]
+    cut = segments(route, replica)
+    assert [(s.start, s.end, s.route.peer_id, s.replica.peer_id) for s in cut] == [
+        (0, 1, "a", "f"), (1, 3, "l", "f"), (3, 5, "b", "f")]
+    other = segments([hop("x", 0, 3), hop("y", 3, 5)], [hop("p", 0, 2), hop("q", 2, 5)])
+    assert [(s.start, s.end, s.route.peer_id, s.replica.peer_id) for s in other] == [
+        (0, 2, "x", "p"), (2, 3, "x", "q"), (3, 5, "y", "q")]
+    with pytest.raises(ValueError, match="cover"):
+        segments([hop("x", 0, 3)], [hop("p", 0, 5)])
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1], [1, 2]) == 1
+
+
+def test_repair_guard_streams_each_token_once_and_notes_text_it_cannot_take_back() -> None:
+    shown: list[int] = []
+    guard = RepairGuard(shown.extend)
+    guard.push([1, 2, 3])
+    guard.push([4, 5])
+    guard.rewind(2)  # redone from token 2: 3, 4 again, then new ones
+    guard.push([3, 4])
+    guard.push([5, 6])
+    assert shown == [1, 2, 3, 4, 5, 6] and guard.wrong_from is None
+    guard.rewind(3)
+    guard.push([9, 7])  # token 3 was 4 when shown
+    assert shown == [1, 2, 3, 4, 5, 6] and guard.wrong_from == 3
+    guard.push([8])
+    assert shown == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_repaired_result_joins_the_kept_tokens_and_adds_every_attempts_work() -> None:
+    spoiled = GenerationResult("dsd", tokens=[1, 2, 3, 9], elapsed_s=2.0, rounds=3, drafted=6, accepted=2,
+                               accepted_per_round=[1, 0, 1], times=TimeBreakdown(waiting=1.0))
+    last = GenerationResult("dsd", tokens=[4, 5], elapsed_s=1.0, rounds=2, drafted=4, accepted=1,
+                            accepted_per_round=[1, 0], times=TimeBreakdown(waiting=0.5))
+    joined = last.continuing([1, 2, 3], [spoiled])
+    assert joined.tokens == [1, 2, 3, 4, 5]
+    assert (joined.elapsed_s, joined.rounds, joined.drafted, joined.accepted) == (3.0, 5, 10, 3)
+    assert joined.accepted_per_round == [1, 0, 1, 1, 0] and joined.times.waiting == 1.5
