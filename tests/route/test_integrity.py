@@ -4,10 +4,14 @@ the text equals the whole model's greedy text, and honest float32 and bfloat16 r
 
 The swarm (tiny Qwen2, 5 layers): three honest replicas of layers 0:3 and of 3:5 (one of each in bfloat16), one
 liar per mode, and a liar serving all five layers. Each test's head bans, before it starts, the liars it is not
-about (a test of one liar should not meet another on its replica route)."""
+about (a test of one liar should not meet another on its replica route).
+
+A second, small swarm (`nearest_liar`) puts one liar where a head's own route planning picks it: `serve` and
+`dsd-node generate` as a user runs them catch it, ban it, say so in their JSON, and the swarm page shows the ban."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import urllib.request
@@ -16,7 +20,8 @@ from pathlib import Path
 import pytest
 import trio
 from support.models import hf_greedy
-from support.processes import DaemonSwarm, cli_serve
+from support.page import Dom, cell, chromium_or_skip, page_until
+from support.processes import DaemonSwarm, cli, cli_serve
 
 from dsd.discovery.swarm import SwarmWatch
 from dsd.node.head.config import GenerationConfig
@@ -170,34 +175,125 @@ def test_honest_float32_and_bfloat16_replicas_pass_200_audits(swarm: dict, tiny_
     assert sum(a.failed for a in audits) == 0 and not any(a.banned for a in audits) and not any(a.skipped for a in audits)
 
 
-def test_the_service_bans_the_liar_across_requests_and_shows_it(tiny_qwen2_root: Path, tiny_qwen2_hf,
-                                                                 tmp_path: Path) -> None:
-    """`serve` on a swarm of its own where the liar is the nearest peer for layers 0:3 (the honest ones answer 40 ms
-    later): the first request is repaired and exact, the liar banned, the next request avoids it, and the swarm
-    page's JSON lists the ban."""
+@pytest.fixture(scope="module")
+def nearest_liar(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A small swarm of its own where the liar (`--faulty noise`) is the nearest peer for layers 0:3: the honest
+    replicas of 0:3 answer 40 ms later, so a head that bans nobody routes over the liar. Bans live in the head's
+    process, never in the swarm: every test here starts a head of its own and meets the liar afresh."""
     store = tiny_qwen2_root / "store"
-    tokenizer = Store(store).load_tokenizer()
-    prompt = "def add(a, b):"
-    want = tokenizer.decode(hf_greedy(tiny_qwen2_hf, tokenizer(prompt)["input_ids"], 24), skip_special_tokens=True)
-    with DaemonSwarm(tmp_path / "net") as net:
+    with DaemonSwarm(tmp_path_factory.mktemp("nearest_liar")) as net:
+        # One after the other: each peer measures its throughput at start, and peers measuring at once on a small
+        # machine announce throughputs far apart, enough to outweigh the 40 ms and put an honest peer first.
         slow = ["--wan-latency-ms", "40"]
-        liar = net.peer("liar", store, "0:3", "--faulty", "noise")["peer_id"]
-        for name, blocks, extra in (("a1", "0:3", slow), ("a2", "0:3", slow), ("b1", "3:5", []), ("b2", "3:5", [])):
-            net.peer(name, store, blocks, *extra)
+        liar = net.peer("liar", store, "0:3", "--faulty", "noise")
+        peers = [net.peer(name, store, blocks, *extra)
+                 for name, blocks, extra in (("a1", "0:3", slow), ("a2", "0:3", slow), ("b1", "3:5", []), ("b2", "3:5", []))]
         net.wait_route(MODEL, LAYERS)
-        with cli_serve(tmp_path, net.bootstrap, store, "--audit-rate", "1") as info:
-            answers = []
-            for _ in range(2):
-                body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}).encode()
-                request = urllib.request.Request(info["url"] + "/v1/completions", body,
-                                                 {"content-type": "application/json"})
-                with urllib.request.urlopen(request, timeout=120) as answer:
-                    answers.append(json.loads(answer.read()))
-            with urllib.request.urlopen(info["url"] + "/api/swarm", timeout=30) as page:
-                swarm_page = json.loads(page.read())
+        yield {"bootstrap": net.bootstrap, "store": store, "liar": liar["peer_id"],
+               "throughputs": {p["name"]: round(p["throughput"]) for p in (liar, *peers)}}
+
+
+SERVE_PROMPT = "def add(a, b):"
+SERVE_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def banning_service(nearest_liar: dict, tmp_path_factory: pytest.TempPathFactory):
+    """`serve --audit-rate 1` on the nearest-liar swarm after the same greedy completion asked twice (the first
+    catches and bans the liar, the second must avoid it); the service keeps running for the tests that look at
+    its page."""
+    with cli_serve(tmp_path_factory.mktemp("integrity_serve"), nearest_liar["bootstrap"], nearest_liar["store"],
+                   "--audit-rate", "1") as info:
+        answers = []
+        for _ in range(2):
+            body = json.dumps({"model": MODEL, "prompt": SERVE_PROMPT, "max_tokens": SERVE_TOKENS,
+                               "temperature": 0}).encode()
+            request = urllib.request.Request(info["url"] + "/v1/completions", body,
+                                             {"content-type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as answer:
+                answers.append(json.loads(answer.read()))
+        yield {**info, "answers": answers}
+
+
+def test_the_service_bans_the_liar_across_requests_and_shows_it(nearest_liar: dict, banning_service: dict,
+                                                                 tiny_qwen2_hf) -> None:
+    """`serve` where the liar is the nearest peer for layers 0:3: the first request is repaired and exact, the liar
+    banned, the next request avoids it, and the swarm page's JSON lists the ban."""
+    liar = nearest_liar["liar"]
+    tokenizer = Store(nearest_liar["store"]).load_tokenizer()
+    want = tokenizer.decode(hf_greedy(tiny_qwen2_hf, tokenizer(SERVE_PROMPT)["input_ids"], SERVE_TOKENS),
+                            skip_special_tokens=True)
+    with urllib.request.urlopen(banning_service["url"] + "/api/swarm", timeout=30) as page:
+        swarm_page = json.loads(page.read())
+    answers = banning_service["answers"]
     assert [a["choices"][0]["text"] for a in answers] == [want, want]
     first, second = (a["dsd"] for a in answers)
     assert [b["peer_id"] for b in first["banned"]] == [liar] and first["audits"]["repairs"]
     assert liar not in second["route"] and not second["banned"] and second["audits"]["failed"] == 0
     assert [b["peer_id"] for b in swarm_page["bans"]] == [liar]
     assert any(p["peer_id"] == liar and p["banned"] for p in swarm_page["peers"])
+
+
+def test_the_swarm_page_shows_the_ban_in_chromium(nearest_liar: dict, banning_service: dict,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The swarm page, rendered by a headless Chromium after the service banned the liar: a row of the banned
+    peers' table for the liar (with the layers it was blamed for), and the `banned` pill on its row of the peers
+    table. Without chromium: skipped, failed in CI."""
+    chromium = chromium_or_skip()
+    liar = nearest_liar["liar"]
+
+    def rows(dom: Dom, cls: str) -> list[dict]:
+        return [r for r in dom.with_class(cls) if r["attrs"].get("data-peer") == liar]
+
+    def shows_ban(dom: Dom) -> bool:
+        return bool(rows(dom, "ban")) and any(cell(dom, r, "banned") is not None for r in rows(dom, "peer"))
+
+    dom = page_until(chromium, tmp_path_factory.mktemp("chromium_bans"), banning_service["url"] + "/", shows_ban)
+    assert shows_ban(dom), ([dom.text(r) for r in dom.with_class("ban")], [dom.text(r) for r in dom.with_class("peer")])
+    assert [r["attrs"]["data-peer"] for r in dom.with_class("ban")] == [liar]
+    row = rows(dom, "ban")[0]
+    after = dom.elements[next(i for i, e in enumerate(dom.elements) if e is row) + 1:]
+    cells = [dom.text(e) for e in itertools.takewhile(lambda e: e["tag"] != "tr", after) if e["tag"] == "td"]
+    assert cells[0] == liar[-12:] and cells[2] == "0:3", cells  # its short id, (until when), the layers blamed
+    pills = [r["attrs"]["data-peer"] for r in dom.with_class("peer") if cell(dom, r, "banned") is not None]
+    assert pills == [liar]
+
+
+def generate_cli(swarm: dict, *args: str):
+    """`dsd-node generate --json` of `PROMPT` over the nearest-liar swarm, as a user's shell runs it: a head
+    process of its own, so it has banned nobody before."""
+    return cli("generate", "--bootstrap", swarm["bootstrap"], "--store", str(swarm["store"]),
+               "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "24", "--threads", "1", *args)
+
+
+def test_generate_cli_bans_the_nearest_liar_and_its_json_says_so(nearest_liar: dict, tiny_qwen2_hf) -> None:
+    """`dsd-node generate --audit-rate 1 --json`: exit 0, the whole model's greedy tokens, the liar (and only it)
+    in `banned` with its evidence, and `audits` saying a window failed and the generation was repaired."""
+    out = generate_cli(nearest_liar, "--audit-rate", "1", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["tokens"] == hf_greedy(tiny_qwen2_hf, PROMPT, 24)
+    assert [b["peer_id"] for b in report["banned"]] == [nearest_liar["liar"]], report["banned"]
+    evidence = report["banned"][0]["evidence"]
+    assert {"window", "positions", "distances"} <= evidence.keys(), evidence
+    assert evidence["positions"] and len(evidence["positions"]) == len(evidence["distances"])
+    assert evidence["blame"]["blocks"] == "0:3"
+    audits = report["audits"]
+    assert audits["rate"] == 1.0 and audits["failed"] >= 1 and audits["repairs"], audits
+    assert nearest_liar["liar"] not in report["route"]  # the repaired generation's route
+
+
+def test_generate_cli_without_audits_bans_nobody_and_refuses_a_rate_above_one(nearest_liar: dict) -> None:
+    """`--audit-rate 0`: nothing audited, nobody banned (whether the liar spoiled the text is not checked here);
+    `--audit-rate 2`: refused, the message naming the option."""
+    off = generate_cli(nearest_liar, "--audit-rate", "0", "--json")
+    assert off.returncode == 0, off.stderr[-3000:]
+    report = json.loads(off.stdout)
+    # the fixture's premise: the liar was on the route, there to be caught (announced throughputs in the message)
+    assert nearest_liar["liar"] in report["route"], (report["route"], nearest_liar["throughputs"])
+    assert report["audits"]["audited"] == 0 and report["audits"]["failed"] == 0, report["audits"]
+    assert report["banned"] == []
+    bad = generate_cli(nearest_liar, "--audit-rate", "2", "--json")
+    assert bad.returncode != 0
+    assert "--audit-rate" in bad.stderr, bad.stderr[-3000:]
+    print(f"\n--audit-rate 0: route {report['route']}, tokens {report['tokens']}; --audit-rate 2: {bad.stderr.strip()}")

@@ -9,15 +9,11 @@ uncovered. Without chromium the test fails in CI (CI=true) and is skipped elsewh
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import time
-from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
 import pytest
+from support.page import Dom, cell, chromium_or_skip, page_until, run_chromium
 from support.processes import cli_serve, cli_testnet
 
 from dsd.node.testnet.processes import PeerProcess, stop_processes
@@ -27,18 +23,11 @@ pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 MODEL = "tiny-qwen2"
 KEY = "sk-page-test"
 SHORT = 12  # the page shows the last 12 characters of a peer id (as `dsd-node route` does)
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        why = "Debian's chromium is not installed (apt-get install chromium): the swarm page test needs it"
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return path
+    return chromium_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -55,63 +44,6 @@ def server(swarm: dict, tiny_qwen2_store: Path, tmp_path_factory: pytest.TempPat
     with cli_serve(state, swarm["bootstrap"], tiny_qwen2_store, "--api-key", str(state / "key"),
                    "--refresh", "1") as info:
         yield info
-
-
-class Dom(HTMLParser):
-    """Every element of a dumped DOM with its attributes and text content."""
-
-    def __init__(self, html: str) -> None:
-        super().__init__()
-        self.elements: list[dict] = []
-        self._open: list[dict] = []
-        self.feed(html)
-        self.close()
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        el = {"tag": tag, "attrs": dict(attrs), "text": []}
-        self.elements.append(el)
-        if tag not in VOID:
-            self._open.append(el)
-
-    def handle_endtag(self, tag: str) -> None:
-        while self._open:
-            el = self._open.pop()
-            if self._open:
-                self._open[-1]["text"].extend(el["text"])
-            if el["tag"] == tag:
-                return
-
-    def handle_data(self, data: str) -> None:
-        if self._open:
-            self._open[-1]["text"].append(data)
-
-    def with_class(self, cls: str) -> list[dict]:
-        return [e for e in self.elements if cls in (e["attrs"].get("class") or "").split()]
-
-    def text(self, el: dict) -> str:
-        return "".join(el["text"]).strip()
-
-    def by_id(self, ident: str) -> str:
-        return self.text(next(e for e in self.elements if e["attrs"].get("id") == ident))
-
-
-def run_chromium(chromium: str, profile: Path, url: str, *args: str) -> subprocess.CompletedProcess:
-    """Headless Chromium on `url`; `--virtual-time-budget` lets the page's fetches and timers run first."""
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-           "--virtual-time-budget=4000", *args, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
-
-
-def page_until(chromium: str, profile: Path, url: str, ready, seconds: float = 30.0) -> Dom:
-    """Dump the page's DOM until `ready(dom)` holds (the page polls every 2 s; each dump is a fresh load)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        out = run_chromium(chromium, profile, url, "--dump-dom")
-        assert out.returncode == 0, out.stderr[-2000:]
-        dom = Dom(out.stdout)
-        if ready(dom) or time.monotonic() > deadline:
-            return dom
-        time.sleep(0.5)
 
 
 def block_peers(swarm: dict) -> list[dict]:
@@ -155,17 +87,6 @@ def test_page_shows_peers_route_coverage_and_requests(chromium: str, server: dic
     out = run_chromium(chromium, profile, url, "--window-size=1280,1000", f"--screenshot={shot}")
     assert out.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out.stderr[-2000:]
     print(f"\nswarm page screenshot: {shot}")
-
-
-def cell(dom: Dom, row: dict, cls: str) -> dict | None:
-    """The first element of class `cls` inside table row `row`, or None."""
-    at = next(i for i, e in enumerate(dom.elements) if e is row)
-    for e in dom.elements[at + 1:]:
-        if e["tag"] == "tr":
-            return None
-        if cls in (e["attrs"].get("class") or "").split():
-            return e
-    return None
 
 
 def test_page_shows_the_span_a_head_serves_itself(chromium: str, swarm: dict, tiny_qwen2_store: Path,
