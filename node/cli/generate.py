@@ -139,6 +139,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return fail("--federated drafts by design; use --mode sd or dsd")
     if args.blocks and args.federated:
         return fail("--blocks serves layers for a route of block peers; federated workers hold whole models")
+    if args.federated and (args.audit_rate is not None or args.audit_tolerance is not None):
+        return fail("--audit-rate and --audit-tolerance audit routes of block peers; federated workers are not audited")
+    try:
+        audit = None if args.federated else audit_options(args)
+    except ValueError as exc:
+        return fail(str(exc))
     try:
         place = resolve_placement(args.device, args.dtype)  # a device not there: one line, before any fetch or load
     except StoreError as exc:
@@ -162,7 +168,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
         local_span = load_head_span(Store(args.store), args.blocks, device=place.device, dtype=place.dtype) if args.blocks else None
-        audit = None if args.federated else audit_options(args)
     except (ValueError, StoreError, OSError) as exc:
         return fail(str(exc))
     streamer = TextStreamer(tokenizer, cfg.stop_strings) if tokenizer is not None and not args.json else None

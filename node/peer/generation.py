@@ -128,13 +128,13 @@ async def generate_over_swarm(
 ) -> GenerationReport:
     """Generate once from a head node already in the swarm over `target` (default: a route the swarm plans);
     `swarm` is the process's view (None only for federated workers). A route's windows are audited as `audit` says
-    (None: not at all); when an audit catches a liar, the generation is redone from the last window that passed,
+    (None: not at all); when an audit catches a liar, the generation is redone from the first window it computed,
     without it (at most `MAX_REPAIRS` times). Raises `GenerationFailed` when there is no route or no worker, or
     the target gives out midway."""
     target = target or RouteTarget()
     ledger = AuditLedger(audit) if audit is not None and isinstance(target, RouteTarget) else None
     guard = RepairGuard(on_tokens)
-    kept: list[int] = []  # tokens made before the last window that passed its audit, when redoing
+    kept: list[int] = []  # tokens made before the liar's first window, when redoing
     spent: list[GenerationResult] = []  # the results of attempts a liar spoiled
     for repair in range(MAX_REPAIRS + 1):
         rest = replace(cfg, max_new_tokens=cfg.max_new_tokens - len(kept))

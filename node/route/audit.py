@@ -1,6 +1,7 @@
 """Audits: the head re-runs a random share of a route's windows on a disjoint set of replicas and compares the final
 hidden states position by position; on a mismatch, blame finds the liar, who is banned, and the generation is
-regenerated from the last window that passed (`LieCaught`, repaired by `dsd.node.peer.generation`).
+regenerated from the first window the liar computed (`LieCaught`, repaired by `dsd.node.peer.generation`): a
+window that passed an audit proves its own rows, not the tokens before it, which unaudited lies may have chosen.
 
 Which windows are audited is drawn with the operating system's randomness after each result came back, so no peer
 can know whether a window it computes will be checked. Audits run in the auditor's own task, off the critical path:
@@ -39,7 +40,8 @@ from .session import RouteSession
 log = logging.getLogger(__name__)
 
 QUEUE = 64  # audits waiting for the auditor; beyond that a chosen window is skipped (counted)
-REPLAN_S = 30.0  # after finding no replica route, audits are skipped this long before the swarm is surveyed again
+PLAN_WAIT_S = 5.0  # a replica route not found at once is surveyed for again this long (records and probes lag)
+REPLAN_S = 10.0  # after finding none, audits are skipped this long before the swarm is surveyed again
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,9 @@ class AuditLedger:
 
 @dataclass(frozen=True)
 class AuditFailure:
-    """An audit that failed on the generation's route: regenerate from position `good` (the tokens before the last
-    window that passed), without the banned liar. Verdicts: lied, unattributed, disputed."""
+    """An audit that failed on the generation's route: regenerate from position `good` (the tokens before the first
+    window the liar computed; unattributed: the first any peer of the failed window's route computed), without the
+    banned liar. Verdicts: lied, unattributed, disputed."""
 
     verdict: str
     message: str
@@ -140,7 +143,7 @@ class Auditor:
         self._held: list[int] = []  # the tokens the replica route holds
         self._no_replica: tuple[float, str] | None = None  # (until when, why) no replica route is looked for
         self._first_cache = local_first.new_cache() if local_first is not None else None
-        self.good = 0  # positions before the last window that passed
+        self.first_seen: dict[str, int] = {}  # peer -> the start of the first window it computed in this generation
         self.failure: AuditFailure | None = None
 
     @asynccontextmanager
@@ -159,6 +162,8 @@ class Auditor:
               hops: Sequence[Hop]) -> None:
         """A window's result came back: audit it with probability `rate` (decided now, after the peers answered)."""
         self.ledger.windows += 1
+        for h in hops:
+            self.first_seen.setdefault(h.peer_id, len(context))
         if self.failure is not None or self.options.rate <= 0.0 or self._rng.random() >= self.options.rate:
             return
         window = Audited(self.ledger.windows, tuple(context), tuple(tokens), None if parents is None else
@@ -206,7 +211,6 @@ class Auditor:
         if check.agree:
             self.ledger.passed += 1
             self.ledger.closest = max(self.ledger.closest, check.largest)
-            self.good = max(self.good, len(window.context) + 1)
             return
         self.ledger.failed += 1
         replica = list(session.hops)
@@ -238,7 +242,9 @@ class Auditor:
         else:
             log.warning("audit failure not attributed (%s): %s", verdict.kind, verdict.message)
         blamed = [verdict.liar] if verdict.liar is not None else []
-        self.failure = AuditFailure(verdict.kind, verdict.message, blamed, self.good, evidence)
+        suspects = blamed or [h.peer_id for h in window.hops]
+        good = min(self.first_seen.get(p, len(window.context)) for p in suspects)
+        self.failure = AuditFailure(verdict.kind, verdict.message, blamed, good, evidence)
 
     async def _replica_for(self, hops: Sequence[Hop]) -> RouteSession | None:
         """The open replica session, or a new one on a route sharing no peer with `hops` (None: none exists)."""
@@ -250,7 +256,7 @@ class Auditor:
         if self._no_replica is not None and trio.current_time() < self._no_replica[0]:
             self.ledger.skip(self._no_replica[1])
             return None
-        view = await self.swarm.plan(frozenset(audited))
+        view = await self.swarm.plan(frozenset(audited), wait_s=PLAN_WAIT_S)
         if view.plan is None:
             why = f"no replica route disjoint from the audited one: {view.error}"
             self._no_replica = (trio.current_time() + REPLAN_S, why)
