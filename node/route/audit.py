@@ -69,6 +69,7 @@ class AuditLedger:
     audited: int = 0
     passed: int = 0
     failed: int = 0
+    verdicts: list[dict[str, Any]] = field(default_factory=list)  # per failed audit: its window, what blame found
     closest: float = 0.0  # the largest distance an audit that passed saw (how near honest replicas come)
     skipped: dict[str, int] = field(default_factory=dict)  # why chosen windows were not audited
     banned: list[dict[str, Any]] = field(default_factory=list)
@@ -82,7 +83,7 @@ class AuditLedger:
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.options.rate, "tolerance": self.options.tolerance, "windows": self.windows,
-                "audited": self.audited, "passed": self.passed, "failed": self.failed, "closest": round(self.closest, 4), "skipped": dict(self.skipped),
+                "audited": self.audited, "passed": self.passed, "failed": self.failed, "verdicts": list(self.verdicts), "closest": round(self.closest, 4), "skipped": dict(self.skipped),
                 "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
 
 
@@ -230,6 +231,7 @@ class Auditor:
     def _judge(self, window: Audited, verdict: Verdict, evidence: dict[str, Any]) -> None:
         """Ban a liar; fail the generation (to be regenerated) unless the liar was only on the replica route."""
         evidence = {**evidence, "blame": verdict.evidence}
+        self.ledger.verdicts.append({"window": window.index, "verdict": verdict.kind, "liar": verdict.liar})
         for peer in verdict.silent:
             self.swarm.blacklist.add(peer)
         on_route = {h.peer_id for h in window.hops}
