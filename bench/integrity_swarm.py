@@ -94,6 +94,7 @@ def detect_main(argv: list[str]) -> int:
     p.add_argument("--peers", type=int, default=6, help="block peers, half on each half of the layers (default 6)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency of every link (default 0)")
+    p.add_argument("--tolerance", type=float, default=None, help="--audit-tolerance (default: the head's default)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", type=Path, default=Path("/tmp/dsd-integrity"))
     p.add_argument("--out", type=Path, default=None)
@@ -105,6 +106,7 @@ def detect_main(argv: list[str]) -> int:
     store = Store(models.target)
     setup = HeadSetup(store.load_head(), store.manifest.model_id, store.num_layers, NgramDrafter())
     half = store.num_layers // 2
+    tolerance = AuditOptions().tolerance if args.tolerance is None else args.tolerance
     result: dict[str, Any] = {**run_metadata("integrity-detect", args), "command": command_line("integrity.py detect",
                               argv), "load_before": load_average(), "runs": []}
     for mode in modes:
@@ -121,7 +123,7 @@ def detect_main(argv: list[str]) -> int:
                     cfg = GenerationConfig(mode="dsd", max_new_tokens=args.max_new_tokens, gamma=4,
                                            eos_ids=models.eos)
                     run = trio.run(audited_run, net.bootstrap, setup, models.prompts[problem], cfg, hops,
-                                   AuditOptions(rate=rate, seed=seed))
+                                   AuditOptions(rate=rate, seed=seed, tolerance=tolerance))
                     failure = run["failure"] or {}
                     window = failure.get("evidence", {}).get("window")
                     run.update(mode=mode, rate=rate, seed=seed, problem=problem, liar=liar.peer_id,

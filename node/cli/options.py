@@ -102,7 +102,7 @@ def add_audit_options(p: argparse.ArgumentParser) -> None:
     """How a head audits its route's windows on other replicas (docs/integrity.md)."""
     a = p.add_argument_group("integrity audits (docs/integrity.md)")
     a.add_argument("--audit-rate", type=float, default=None, metavar="P", help=f"share of windows re-run on a disjoint set of replicas and compared position by position, chosen at random after the peers answered (default {DEFAULT_AUDIT_RATE:g}: a peer lying on every window is caught within 44 windows with probability 0.99; 0 = off)")
-    a.add_argument("--audit-tolerance", type=float, default=None, metavar="D", help=f"largest relative L2 distance per position between two honest runs (default {DEFAULT_AUDIT_TOLERANCE:g}: honest float32/bfloat16/float16 replicas differ by at most ~0.02, material lies by 0.3 and more)")
+    a.add_argument("--audit-tolerance", type=float, default=None, metavar="D", help=f"largest relative L2 distance per position between two honest runs (default {DEFAULT_AUDIT_TOLERANCE:g}: honest bfloat16/float16 replicas of the target differ from float32 by at most 0.034, int4 weights by 0.086 or more, a skipped layer by 0.2 or more)")
 
 
 def audit_options(args: argparse.Namespace) -> AuditOptions:

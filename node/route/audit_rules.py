@@ -12,9 +12,11 @@ import numpy as np
 from dsd.protocol import Hop
 
 # Honest replicas differ by their precision only: on the real target, bfloat16 against float32 reaches a relative
-# gap of 0.034 per position and float16 0.005 (position 0 aside, see SINK); the smallest lies measured put every
-# window past 0.13 (int4 weights), a skipped layer past 0.33 (bench/results/integrity-gaps-2026-12-05.json).
-DEFAULT_AUDIT_TOLERANCE = 0.1
+# gap of 0.034 per position and float16 0.005 (position 0 aside, see SINK), while every row of int4 weights is past
+# 0.086 and of a skipped layer past 0.2 (bench/results/integrity-gaps-2026-12-05.json). 0.06 sits between (1.75x
+# the worst honest row, 0.7x the mildest int4 row); at 0.1, int4 windows of a few rows passed audits at 0.09-0.097
+# (bench/results/integrity-detect-real-2026-12-05.json).
+DEFAULT_AUDIT_TOLERANCE = 0.06
 
 # Position 0 (the attention sink: a few huge activations) is not compared: honest bfloat16 moves its final row by up
 # to 0.116 on the real target, and that row feeds no logit a generation uses (it predicts the prompt's second
