@@ -226,10 +226,12 @@ class Auditor:
         verdict = await locate_liar(self.prober, self.swarm, window.hops, replica, rows_in,
                                     context=len(window.context), parents=window.parents,
                                     tolerance=self.options.tolerance)
-        self._judge(window, verdict, evidence)
+        if self._judge(window, verdict, evidence):
+            await self._audit(window)  # the replica lied: the window itself is still unchecked (a new replica route)
 
-    def _judge(self, window: Audited, verdict: Verdict, evidence: dict[str, Any]) -> None:
-        """Ban a liar; fail the generation (to be regenerated) unless the liar was only on the replica route."""
+    def _judge(self, window: Audited, verdict: Verdict, evidence: dict[str, Any]) -> bool:
+        """Ban a liar; fail the generation (to be regenerated) unless the liar was only on the replica route (then
+        True: audit the window again)."""
         evidence = {**evidence, "blame": verdict.evidence}
         self.ledger.verdicts.append({"window": window.index, "verdict": verdict.kind, "liar": verdict.liar})
         for peer in verdict.silent:
@@ -240,13 +242,14 @@ class Auditor:
             self.ledger.banned.append(ban.as_dict())
             log.warning("banned %s until %.0f: %s", short(verdict.liar), ban.until_unix, verdict.message)
             if verdict.liar not in on_route:
-                return  # the audited route was honest: nothing to redo
+                return True
         else:
             log.warning("audit failure not attributed (%s): %s", verdict.kind, verdict.message)
         blamed = [verdict.liar] if verdict.liar is not None else []
         suspects = blamed or [h.peer_id for h in window.hops]
         good = min(self.first_seen.get(p, len(window.context)) for p in suspects)
         self.failure = AuditFailure(verdict.kind, verdict.message, blamed, good, evidence)
+        return False
 
     async def _replica_for(self, hops: Sequence[Hop]) -> RouteSession | None:
         """The open replica session, or a new one on a route sharing no peer with `hops` (None: none exists)."""

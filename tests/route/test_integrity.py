@@ -151,6 +151,21 @@ def test_the_liar_is_found_wherever_it_sits_on_the_route(
     assert report.tokens == expected
 
 
+def test_a_liar_on_the_replica_route_is_banned_and_the_honest_generation_goes_on(
+    swarm: dict, tiny_qwen2_root: Path, expected: list[int]
+) -> None:
+    """With every other replica of 0:3 banned, the replica route must take the liar: its audit fails, blame convicts
+    it (a peer of the route decides, from layers it serves for another piece), and the generation is not redone."""
+    peers = swarm["peers"]
+    route = [hop(peers["a2"], 0, 1), hop(peers["a1"], 1, 3), hop(peers["b1"], 3, 5)]
+    report = generate(swarm, tiny_qwen2_root / "store", route, AuditOptions(rate=1.0),
+                      exclude=besides(swarm, "noise"))
+    audits = report.transport.audits
+    assert [b["peer_id"] for b in audits.banned] == [peers["noise"]["peer_id"]]
+    assert audits.verdicts[0]["verdict"] == "lied" and not audits.repairs
+    assert report.tokens == expected
+
+
 def test_a_liar_serving_every_layer_is_caught_too(swarm: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
     liar = swarm["peers"]["all"]
     report = generate(swarm, tiny_qwen2_root / "store", [hop(liar, 0, 5)], AuditOptions(rate=1.0),
