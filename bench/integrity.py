@@ -44,7 +44,7 @@ from harness import (
     today,
     write_json,
 )
-from integrity_swarm import detect_main, overhead_main
+from integrity_swarm import detect_main, log, overhead_main
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +57,6 @@ LIES = ("int8", "int4", "skip-last-layer")
 SPANS = ("half", "full")
 KINDS = ("prompt", "continuation")
 CANDIDATES = (0.03, 0.05, 0.06, 0.08, 0.1)  # tolerances whose share of rows above them the summary reports
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- comparing hidden states ------------------------------------------------------------------------------------

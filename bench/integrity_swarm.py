@@ -46,10 +46,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 async def audited_run(bootstrap: str, setup: Any, prompt: list[int], cfg: Any, hops: list[Any] | None,
                       audit: Any) -> dict[str, Any]:
     """One generation from a fresh head over `hops`, audited as `audit` says, stopped at the first failed audit
@@ -108,7 +104,7 @@ def detect_main(argv: list[str]) -> int:
     half = store.num_layers // 2
     tolerance = AuditOptions().tolerance if args.tolerance is None else args.tolerance
     result: dict[str, Any] = {**run_metadata("integrity-detect", args), "command": command_line("integrity.py detect",
-                              argv), "load_before": load_average(), "runs": []}
+                              argv), "load_before": os.getloadavg(), "runs": []}
     for mode in modes:
         faults = [] if mode == "honest" else [f"0:{mode}"]
         with testnet(models.target, args.peers, args.latency_ms, args.work / "net", replicas=args.peers // 2,
@@ -133,7 +129,7 @@ def detect_main(argv: list[str]) -> int:
                         f" ({failure.get('verdict')}, right peer {run['blamed_right']}), {run['seconds']} s")
                     result["summary"] = detect_summary(result["runs"])
                     write_json(out, result)
-    result["load_after"] = load_average()
+    result["load_after"] = os.getloadavg()
     result["summary"] = detect_summary(result["runs"])
     write_json(out, result)
     print(out)
@@ -183,7 +179,7 @@ def overhead_main(argv: list[str]) -> int:
     models = load_models(args.model, args.work)
     setup, _ = load_head_setup(models.target, str(models.draft), SamplingParams(), 0)
     result: dict[str, Any] = {**run_metadata("integrity-overhead", args), "command": command_line(
-        "integrity.py overhead", argv), "load_before": load_average(), "runs": []}
+        "integrity.py overhead", argv), "load_before": os.getloadavg(), "runs": []}
     with testnet(models.target, args.peers, args.latency_ms, args.work / "net", replicas=args.peers // 2,
                  threads=args.threads) as net:
         for rep in range(1, args.reps + 1):
@@ -198,7 +194,7 @@ def overhead_main(argv: list[str]) -> int:
                         f"audited {run['audits']['audited']}, failed {run['audits']['failed']}")
                     result["summary"] = overhead_summary(result["runs"], args.rate)
                     write_json(out, result)
-    result["load_after"] = load_average()
+    result["load_after"] = os.getloadavg()
     write_json(out, result)
     print(out)
     return 0

@@ -86,6 +86,10 @@ class AuditLedger:
                 "audited": self.audited, "passed": self.passed, "failed": self.failed, "verdicts": list(self.verdicts), "closest": round(self.closest, 4), "skipped": dict(self.skipped),
                 "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
 
+    def report(self) -> dict[str, Any]:
+        """The two keys a generation's JSON carries: `audits` and `banned`."""
+        return {"audits": self.as_dict(), "banned": list(self.banned)}
+
 
 @dataclass(frozen=True)
 class AuditFailure:

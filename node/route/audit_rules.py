@@ -78,11 +78,8 @@ class HeldTokens:
         self.tokens: list[int] = []
         self._tree: list[int] | None = None  # the nodes of the last window, when it was a tree
 
-    def sent(
-        self, tokens: Sequence[int], start: int, commit: int | None, parents: Sequence[int] | None = None,
-        keep: Sequence[int] | None = None,
-    ) -> list[int]:
-        """Note a window sent at `start`; returns its context (the tokens at positions 0..start-1)."""
+    def context(self, start: int, commit: int | None, keep: Sequence[int] | None = None) -> list[int]:
+        """The tokens at positions 0..start-1 once a window at `start` has committed (`commit`, or `keep`)."""
         if keep:
             if self._tree is None or commit is None:
                 raise ValueError("keep names the path of a tree window, and none was sent")
@@ -91,7 +88,14 @@ class HeldTokens:
             held = self.tokens if commit is None else self.tokens[:commit]
         if start > len(held):
             raise ValueError(f"a window at position {start}, but the peers hold {len(held)} tokens")
-        context = held[:start]
+        return held[:start]
+
+    def sent(
+        self, tokens: Sequence[int], start: int, commit: int | None, parents: Sequence[int] | None = None,
+        keep: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Note a window sent at `start`; returns its context (`context`)."""
+        context = self.context(start, commit, keep)
         self.tokens = context + list(tokens)
         self._tree = list(tokens) if parents is not None else None
         return context

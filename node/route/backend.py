@@ -142,7 +142,8 @@ class RouteBackend(TargetBackend):
         was replaced meanwhile."""
         msg = await self.client.receive(epoch=epoch, timeout=self.timeout_s)
         start, hidden = msg.start, decode_tensor(msg.hidden)
-        self._offer_audit(msg.epoch, start, hidden)
+        if self.auditor is not None:
+            self._offer_audit(self.auditor, msg.epoch, start, hidden)
         if self.local is None or self._local_first:
             return hidden
         if not self._tail_windows or self._tail_windows[0][0] != start:
@@ -153,13 +154,12 @@ class RouteBackend(TargetBackend):
         self.head_compute_s += time.perf_counter() - t0
         return hidden
 
-    def _offer_audit(self, epoch: int, start: int, hidden: np.ndarray) -> None:
+    def _offer_audit(self, auditor: Auditor, epoch: int, start: int, hidden: np.ndarray) -> None:
         """Match a result to the window it answers (those skipped as stale drop out) and offer it for audit."""
         while self._sent:
             sent_epoch, sent_start, context, tokens, parents = self._sent.popleft()
             if (sent_epoch, sent_start) == (epoch, start):
-                if self.auditor is not None:
-                    self.auditor.offer(context, tokens, parents, hidden, self.client.hops)
+                auditor.offer(context, tokens, parents, hidden, self.client.hops)
                 return
 
     async def settle(self) -> None:
@@ -182,7 +182,8 @@ class RouteBackend(TargetBackend):
         if self.local is not None and not self._local_first:
             self._tail_windows.append((start, commit, parents, keep))
         context = self._held.sent(tokens, start, commit, parents, keep)
-        self._sent.append((epoch, start, context, list(tokens), None if parents is None else list(parents)))
+        if self.auditor is not None:
+            self._sent.append((epoch, start, context, list(tokens), None if parents is None else list(parents)))
         await self.client.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
 
     async def submit(
@@ -197,11 +198,7 @@ class RouteBackend(TargetBackend):
         if self._uncollected and epoch == self._epoch:
             await self._submit_ahead(tokens, start, commit, epoch, parents, keep)
             return
-        if keep is not None:
-            held = self._prefix[:commit] + [self._window[i] for i in keep]
-        else:  # the rows as the peers hold them (a chain's positions)
-            held = self._prefix + self._window + [t for w in self._ahead for t in w]
-        self._prefix = held[:start]
+        self._prefix = self._held.context(start, commit, keep)
         self._window = list(tokens)
         self._parents = None if parents is None else list(parents)
         self._ahead = []

@@ -63,5 +63,5 @@ class RouteRecord:
             "failover_s": [round(e.seconds, 3) for e in self.failovers],
             "failover_blamed": [e.blamed for e in self.failovers],
             "failover_events": [e.as_dict() for e in self.failovers],
-            **({} if self.audits is None else {"audits": self.audits.as_dict(), "banned": list(self.audits.banned)}),
+            **({} if self.audits is None else self.audits.report()),
         }

@@ -145,7 +145,7 @@ def dsd_stats(report: GenerationReport, job: Job) -> dict[str, Any]:
         "tokens_per_s": round(r.tokens_per_s, 4),
         "queued_s": round(job.slot.queued_s, 4),
         "ttft_s": None if job.ttft_s is None else round(job.ttft_s, 4),
-        **({} if route.audits is None else {"audits": route.audits.as_dict(), "banned": list(route.audits.banned)}),
+        **({} if route.audits is None else route.audits.report()),
     }
 
 
