@@ -11,7 +11,7 @@ then may answer these probes honestly: the walk is repeated a few times before t
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,12 +97,18 @@ async def _both(prober: Prober, peers: Sequence[Hop], seg: Segment, rows: np.nda
     return out
 
 
-async def third_replicas(swarm: SwarmWatch, seg: Segment, involved: set[str]) -> list[Hop]:
-    """Peers that serve the segment's layers besides its two candidates (and the banned or blacklisted): those on
-    neither route first, then those the routes use for other layers; nearest first in each group."""
-    view = await swarm.refresh(max_age_s=30.0)
-    avoided = swarm.avoided() | {seg.route.peer_id, seg.replica.peer_id}
-    found = [r for r in view.records if r.role == "block" and r.start <= seg.start and seg.end <= r.end
+async def third_replicas(swarm: SwarmWatch, seg: Segment, involved: set[str], *, asked: Set[str] = frozenset(),
+                         last_resort: bool = False) -> list[Hop]:
+    """Peers that serve the segment's layers besides its two candidates (and the banned, the blacklisted and those in
+    `asked`): those on neither route first, then those the routes use for other layers; nearest first in each group.
+    The survey's records and the peers this process saw alive lately both count: a survey on a loaded swarm can miss
+    a record for a moment. As a `last_resort` the view is surveyed afresh and blacklisted peers are asked too (a
+    peer late once on a loaded machine is not thereby wrong)."""
+    view = await swarm.refresh(max_age_s=0.0 if last_resort else 30.0)
+    avoided = (set(swarm.bans.active()) if last_resort else swarm.avoided()) | {seg.route.peer_id, seg.replica.peer_id}
+    avoided |= asked
+    known = {r.peer_id: r for r, _ in swarm.last_alive.values()} | {r.peer_id: r for r in view.records}
+    found = [r for r in known.values() if r.role == "block" and r.start <= seg.start and seg.end <= r.end
              and r.peer_id not in avoided]
     found.sort(key=lambda r: (r.peer_id in involved, view.rtts.get(r.peer_id) or float("inf")))
     return [Hop(r.peer_id, tuple(r.addrs), r.start, r.end) for r in found]
@@ -146,7 +152,9 @@ async def _third_opinion(
 ) -> Verdict | None:
     """Ask third replicas of the segment, nearest first, until one answers: the peer it contradicts lied. None when
     it agrees with neither; `disputed` when no third replica exists."""
-    for third in await third_replicas(swarm, seg, involved):
+    asked: set[str] = set()
+    async for third in _thirds(swarm, seg, involved, asked):
+        asked.add(third.peer_id)
         (out,) = await _both(prober, [third], seg, x, context, parents)
         if isinstance(out, RouteError):
             log.info("blame: third replica %s did not answer: %s", short(third.peer_id), out)
@@ -166,4 +174,14 @@ async def _third_opinion(
                     with_route.largest, with_replica.largest)
         return None
     return Verdict("disputed", None, f"{short(seg.route.peer_id)} and {short(seg.replica.peer_id)} disagree on "
-                   f"layers {seg.start}:{seg.end} and no third replica of them answered to decide", evidence)
+                   f"layers {seg.start}:{seg.end} and no third replica of them answered to decide"
+                   f"{' (asked ' + ', '.join(short(p) for p in sorted(asked)) + ')' if asked else ''}", evidence)
+
+
+async def _thirds(swarm: SwarmWatch, seg: Segment, involved: set[str], asked: set[str]) -> AsyncIterator[Hop]:
+    """Third replicas to ask, in order: those of `third_replicas`, then (when none of them answered, or there were
+    none) its last resort's that were not asked yet."""
+    for third in await third_replicas(swarm, seg, involved):
+        yield third
+    for third in await third_replicas(swarm, seg, involved, asked=asked, last_resort=True):
+        yield third

@@ -130,7 +130,9 @@ def test_each_lie_mode_is_caught_within_its_bound_banned_and_the_text_is_exact(
     print(f"\n{mode}: caught at window {first}, banned at {evidence['window']} (bound {bound}), max distance "
           f"{evidence['max_distance']}, blame {evidence['blame'].get('blocks')}")
     assert first <= bound
-    assert evidence["blame"]["blocks"] in ("0:3", "3:5") and evidence["max_distance"] > 0.1
+    # An intermittent liar's window can be caught through what its lie left in the next peer's cache (a smaller
+    # distance than the lie itself): above the tolerance is what counts.
+    assert evidence["blame"]["blocks"] in ("0:3", "3:5") and evidence["max_distance"] > evidence["tolerance"]
     assert report.tokens == expected
 
 
