@@ -12,6 +12,7 @@ import torch
 from dsd.protocol.deadlines import DeadlineRule
 
 from .draft_tree import MAX_POOL_NODES, MAX_TREE_NODES
+from .logprobs import MAX_TOP_LOGPROBS
 from .modes import MODES
 from .sampling import SamplingParams
 
@@ -54,6 +55,7 @@ class GenerationConfig:
     tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
     pipeline: int = 2  # dsd: windows in flight at once (the next sent on the full-acceptance bet); 1 = one
     ahead_min: float = 0.05  # dsd: send a window ahead only if its bet is at least this likely (draft's q or measured α)
+    logprobs: int | None = None  # record the target's log-probability of each token and this many alternatives (None: off)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +66,8 @@ class GenerationConfig:
             raise ValueError(f"ahead_min must be in [0, 1], got {self.ahead_min}")
         if not 1 <= self.pipeline <= MAX_PIPELINE:
             raise ValueError(f"pipeline must be in [1, {MAX_PIPELINE}], got {self.pipeline}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.branches < 0 or self.alternatives < 1:
             raise ValueError("branches must be >= 0 and alternatives >= 1")
         if self.tree_nodes is not None and (

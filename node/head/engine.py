@@ -48,6 +48,7 @@ from .config import (
 )
 from .draft_tree import DraftTree
 from .drafting import Arrival, Bets, Draft, Drafting
+from .logprobs import emitted_rows, token_logprobs
 from .outcomes import (
     Branch,
     pick,
@@ -179,6 +180,9 @@ class HeadEngine:
             self.times.verifying += time.perf_counter() - t_v
             self._count(tally, flight.drafts, outcome, round_s)
             emitted, finished = self._clip(outcome.tokens, new)
+            if self.cfg.logprobs is not None:
+                rows = emitted_rows(outcome.path, len(emitted))
+                tally.logprobs += token_logprobs(logits, rows, emitted, self.cfg.logprobs, probs=self.returns_probs)
             new.extend(emitted)
             committed.extend(emitted)
             if on_tokens and emitted:

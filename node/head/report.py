@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Failure, NoTransport, TransportRecord
+from .logprobs import TokenLogprob
 
 
 @dataclass
@@ -77,13 +78,15 @@ class GenerationResult:
     tree_windows: int = 0  # draft windows sent as token trees
     pipelined_rounds: int = 0  # of the ready rounds, windows sent before the verdict they bet on (dsd pipeline)
     pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the config asks for them
 
-    def continuing(self, kept: Sequence[int], before: Sequence[GenerationResult]) -> GenerationResult:
+    def continuing(self, kept: Sequence[int], before: Sequence[GenerationResult],
+                   kept_logprobs: Sequence[TokenLogprob] = ()) -> GenerationResult:
         """This result as the continuation of `kept` tokens made by earlier attempts (`before`, regenerated from
-        a checked point): the tokens joined, the work of every attempt added (time, rounds, drafts)."""
-        merged = GenerationResult(self.mode, tokens=[*kept, *self.tokens])
+        a checked point): the tokens (and their `kept_logprobs`) joined, the work of every attempt added."""
+        merged = GenerationResult(self.mode, tokens=[*kept, *self.tokens], logprobs=[*kept_logprobs, *self.logprobs])
         for f in fields(self):
-            if f.name in ("mode", "tokens"):
+            if f.name in ("mode", "tokens", "logprobs"):
                 continue
             mine, parts = getattr(self, f.name), [getattr(b, f.name) for b in before]
             if isinstance(mine, TimeBreakdown):
