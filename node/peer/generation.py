@@ -24,6 +24,7 @@ from dsd.node.federated.open import open_federated
 from dsd.node.head.backend import BackendError, TargetBackend
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.generation import generate
+from dsd.node.head.logprobs import TokenLogprob
 from dsd.node.head.report import GenerationFailed, GenerationReport, GenerationResult
 from dsd.node.head.setup import HeadSetup
 from dsd.node.head.streaming import RepairGuard
@@ -135,6 +136,7 @@ async def generate_over_swarm(
     ledger = AuditLedger(audit) if audit is not None and isinstance(target, RouteTarget) else None
     guard = RepairGuard(on_tokens)
     kept: list[int] = []  # tokens made before the liar's first window, when redoing
+    kept_logprobs: list[TokenLogprob] = []  # their logprobs, when the config asks for them
     spent: list[GenerationResult] = []  # the results of attempts a liar spoiled
     for repair in range(MAX_REPAIRS + 1):
         rest = replace(cfg, max_new_tokens=cfg.max_new_tokens - len(kept))
@@ -147,12 +149,13 @@ async def generate_over_swarm(
             except BackendError as exc:  # the target could not be opened
                 raise GenerationFailed(exc.failure, GenerationResult(cfg.mode)) from exc
         except GenerationFailed as exc:
-            result = exc.result.continuing(kept, spent)
+            result = exc.result.continuing(kept, spent, kept_logprobs)
             lie = exc.failure
             if not isinstance(lie, AuditFailure) or lie.verdict == "disputed" or repair == MAX_REPAIRS:
                 raise GenerationFailed(exc.failure, result, exc.transport) from exc
             good = max(lie.good - len(prompt), len(kept))
             kept = result.tokens[: min(good, cfg.max_new_tokens - 1)]
+            kept_logprobs = result.logprobs[: len(kept)]
             spent.append(exc.result)
             assert ledger is not None
             ledger.repairs.append({"verdict": lie.verdict, "blamed": list(lie.blamed), "from_token": len(kept),
@@ -164,7 +167,7 @@ async def generate_over_swarm(
             continue
         if ledger is not None:
             ledger.shown_wrong_from = guard.wrong_from
-        return GenerationReport(report.result.continuing(kept, spent), report.transport)
+        return GenerationReport(report.result.continuing(kept, spent, kept_logprobs), report.transport)
     raise AssertionError("unreachable")
 
 
