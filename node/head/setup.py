@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,11 +136,16 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None, ids: str | None = 
     return list(tokenizer(text)["input_ids"])
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's turn."""
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template, ready for the assistant's turn; the `tools`
+    (OpenAI function definitions) rendered as the template shows them — PromptError if it does not."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise PromptError("this model's tokenizer has no chat template")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = list(tokenizer.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False))
+    if tools and ids == chat_ids(tokenizer, messages):
+        raise PromptError("this model's chat template does not show tools to the model")
+    return ids
 
 
 def chat_end_of_turn(tokenizer: Any) -> set[int]:

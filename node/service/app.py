@@ -36,6 +36,7 @@ from .admission import Busy
 from .openai_wire import (
     SSE_DONE,
     WireError,
+    call_deltas,
     chunk_body,
     completion_body,
     models_body,
@@ -250,7 +251,7 @@ class GenerationResponse:
             if kind == "done":
                 body = completion_body(job.req, rid=job.rid, created=job.created, model=self.state.head.model_id,
                                        text=value.text, finish_reason=value.finish_reason, usage=value.usage,
-                                       dsd=value.dsd)
+                                       dsd=value.dsd, calls=value.calls, logprobs=value.logprobs)
                 await self._json(send, 200, body)
                 return value, None
             if kind == "error":
@@ -282,7 +283,10 @@ class GenerationResponse:
                 done: Finished = value
                 if done.tail:
                     await event(sse(chunk_body(req, **ids, text=done.tail)))
-                last = chunk_body(req, **ids, finish_reason=done.finish_reason)
+                for deltas in call_deltas(done.calls):
+                    await event(sse(chunk_body(req, **ids, calls=deltas)))
+                # Every token's logprobs ride on the finishing chunk: clients add up the chunks' entries.
+                last = chunk_body(req, **ids, finish_reason=done.finish_reason, logprobs=done.logprobs)
                 if req.include_usage:
                     await event(sse(last))
                     last = usage_chunk(req, **ids, usage=done.usage)

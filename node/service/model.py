@@ -35,7 +35,9 @@ from dsd.shard_store.devices import Placement
 from dsd.shard_store.dtypes import dtype_name
 
 from .defaults import DEFAULT_MAX_TOKENS
-from .openai_wire import CompletionRequest, WireError, bad_param, context_error
+from .openai_wire import CompletionRequest, context_error
+from .tool_calls import TAG_OPEN
+from .wire_errors import WireError, bad_param
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,13 @@ class HeadOptions:
 
 @dataclass(frozen=True)
 class Plan:
-    """One request made concrete: its prompt ids and generation settings."""
+    """One request made concrete: its prompt ids and generation settings, and the start of the answer the server
+    wrote for the model (`prefill`: a required tool call's markup; its tokens end the prompt)."""
 
     prompt: list[int]
     cfg: GenerationConfig
     max_tokens: int
+    prefill: str = ""
 
 
 class ServedModel:
@@ -109,8 +113,9 @@ class ServedModel:
     def chat_ready(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
-        """The request's prompt as token ids (the chat template for chat); 400 when it cannot be encoded."""
+    def prompt_ids(self, req: CompletionRequest, prefill: str = "") -> list[int]:
+        """The request's prompt as token ids (the chat template for chat, with its tools and the `prefill` after
+        it); 400 when it cannot be encoded."""
         if isinstance(req.prompt, list):
             bad = [t for t in req.prompt if not 0 <= t < self.setup.vocab_size]
             if bad:
@@ -120,8 +125,15 @@ class ServedModel:
             raise bad_param("messages" if req.chat else "prompt",
                             "this model's store has no tokenizer: send the prompt as token ids to /v1/completions")
         try:
-            ids = chat_ids(self.tokenizer, list(req.messages)) if req.chat else list(self.tokenizer(req.prompt)["input_ids"])
+            if req.chat:
+                tools = req.tools.definitions if req.tools.active else ()
+                ids = chat_ids(self.tokenizer, list(req.messages), tools)
+                ids += self.tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
+            else:
+                ids = list(self.tokenizer(req.prompt)["input_ids"])
         except PromptError as exc:
+            if req.tools.active:
+                raise bad_param("tools", f"{exc}: this model cannot take tools", "unsupported") from None
             raise bad_param("messages", f"{exc}: use /v1/completions", "unsupported") from None
         except Exception as exc:  # a template can refuse a conversation (roles out of order, say)
             raise bad_param("messages", f"the chat template refused these messages: {exc}") from None
@@ -131,7 +143,8 @@ class ServedModel:
 
     def plan(self, req: CompletionRequest) -> Plan:
         """Prompt ids and generation settings of a request; 400 when they do not fit the context."""
-        prompt = self.prompt_ids(req)
+        prefill = self._prefill(req)
+        prompt = self.prompt_ids(req, prefill)
         opts = self.options
         slack = self._slack()
         room = self.context_limit - len(prompt) - slack
@@ -147,10 +160,26 @@ class ServedModel:
             mode=opts.mode, max_new_tokens=max_tokens, params=params, gamma_max=opts.gamma_max,
             tau_max=opts.tau_max if opts.mode == "dsd-adaptive" else 0.0, seed=seed, eos_ids=self.eos_ids,
             stop_strings=req.stop, branches=opts.branches, pipeline=opts.pipeline, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
+            logprobs=req.logprobs,
         )
         if req.stop and self.tokenizer is None:
             raise bad_param("stop", "stop strings need the model's tokenizer, and its store has none")
-        return Plan(prompt, cfg, max_tokens)
+        return Plan(prompt, cfg, max_tokens, prefill)
+
+    def _prefill(self, req: CompletionRequest) -> str:
+        """A required call's start when the template asks for tagged calls (`Tools.prefill`); 400 when a call is
+        required of a model whose template shows no call markup the server could start."""
+        if not req.tools.forced:
+            return ""
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        if TAG_OPEN not in template:
+            raise bad_param("tool_choice", f"tool_choice {req.tools.choice!r} needs a chat template that asks for "
+                            f"{TAG_OPEN} calls, and this model's does not: use \"auto\"")
+        return req.tools.prefill()
+
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs show it (special tokens included)."""
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
 
     def _slack(self) -> int:
         """KV rows a session needs beyond prompt + completion: the widest window (`GenerationConfig.session_slack`)."""

@@ -33,7 +33,9 @@ from dsd.node.route.record import RouteRecord
 from .admission import Admission, Slot
 from .metrics import ServiceMetrics
 from .model import Plan, ServedModel
-from .openai_wire import CompletionRequest, WireError, usage_body
+from .openai_wire import CompletionRequest, logprobs_body, usage_body
+from .tool_calls import ToolCall, ToolCallFilter, parse_output
+from .wire_errors import WireError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,8 @@ class Job:
 
 @dataclass
 class Finished:
-    """The end of a generation: the final text, the part not streamed yet, and the statistics."""
+    """The end of a generation: the final text (the tool calls taken out), the part of it not streamed yet, the
+    calls, the logprobs (wire-shaped, or None) and the statistics."""
 
     text: str
     tail: str
@@ -113,6 +116,8 @@ class Finished:
     usage: dict[str, int]
     dsd: dict[str, Any]
     report: GenerationReport
+    calls: tuple[ToolCall, ...] = ()
+    logprobs: dict[str, Any] | None = None
 
 
 def no_route_error(why: object) -> WireError:
@@ -186,7 +191,8 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
     """Wait for a slot, generate (calling `emit` with each new piece of text, "" for tokens that show nothing
     yet), and return the end. Raises `WireError`; cancellation (the client went away) ends the generation and
     its route session."""
-    head, plan = state.head, job.plan
+    head, plan, req = state.head, job.plan, job.req
+    shown = ToolCallFilter(req.tools, plan.prefill)  # holds back where a tool call may begin (passes all without tools)
     async with job.slot:
         job.started = trio.current_time()
         streamer = TextStreamer(head.tokenizer, plan.cfg.stop_strings) if head.tokenizer is not None else None
@@ -194,7 +200,7 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
         def on_tokens(tokens: list[int]) -> None:
             if job.first_token_at is None:
                 job.first_token_at = trio.current_time()
-            emit(streamer.push(tokens) if streamer is not None else "")
+            emit(shown.push(streamer.push(tokens)) if streamer is not None else "")
 
         report = await _generate(state, job, on_tokens)
     if route_record(report).failovers:
@@ -208,10 +214,19 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
     text, stopped = cut_at_stop(head.decode(tokens), plan.cfg.stop_strings)
     ended = stopped or bool(tokens and tokens[-1] in plan.cfg.eos_ids)
     finish = "stop" if ended or len(tokens) < plan.max_tokens else "length"
-    shown = streamer.emitted if streamer is not None else 0
+    answer = plan.prefill + text  # a malformed required call stays text, the server's start of it included
+    parsed = parse_output(answer, req.tools)
+    sent = shown.text[: shown.released]
+    if parsed.calls:
+        finish, text = "tool_calls", parsed.content.strip()
+        tail = parsed.content[len(sent):].rstrip() if parsed.content.startswith(sent) else ""
+    else:
+        text, tail = answer, answer[len(sent):]
     usage = usage_body(len(plan.prompt), len(tokens))
-    return Finished(text=text, tail=text[shown:], finish_reason=finish, usage=usage, dsd=dsd_stats(report, job),
-                    report=report)
+    logprobs = logprobs_body(req, report.result.logprobs, head.token_text,
+                             len(req.prompt) if isinstance(req.prompt, str) else 0)
+    return Finished(text=text, tail=tail, finish_reason=finish, usage=usage, dsd=dsd_stats(report, job),
+                    report=report, calls=parsed.calls, logprobs=logprobs)
 
 
 def record(state: ServiceState, job: Job, status: int, finished: Finished | None, error: str | None) -> RequestRecord:
