@@ -23,6 +23,7 @@ import numpy as np
 import trio
 
 from dsd.discovery.host import P2PNode
+from dsd.discovery.survey import SwarmView
 from dsd.discovery.swarm import SwarmWatch
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.backend import BackendError
@@ -265,7 +266,9 @@ class Auditor:
         if self._no_replica is not None and trio.current_time() < self._no_replica[0]:
             self.ledger.skip(self._no_replica[1])
             return None
-        view = await self.swarm.plan(frozenset(audited), wait_s=PLAN_WAIT_S)
+        view = await self.swarm.plan(frozenset(audited))
+        if view.plan is None and self._replicas_announced(view, audited):
+            view = await self.swarm.plan(frozenset(audited), wait_s=PLAN_WAIT_S)  # their probes may lag
         if view.plan is None:
             why = f"no replica route disjoint from the audited one: {view.error}"
             self._no_replica = (trio.current_time() + REPLAN_S, why)
@@ -279,6 +282,13 @@ class Auditor:
         self._session, self._held = session, []
         log.info("audits run on %s", [f"{short(h.peer_id)} {h.start}:{h.end}" for h in session.hops])
         return session
+
+    def _replicas_announced(self, view: SwarmView, audited: set[str]) -> bool:
+        """Do the records announce peers besides the audited route's that cover every layer to route? Only then is
+        a replica route worth waiting for; a swarm with one peer per span is told at once that there is none."""
+        others = [r for r in view.records if r.peer_id not in audited | self.swarm.avoided()]
+        first, last = self.swarm.blocks or (0, self.swarm.num_layers)
+        return all(SwarmView(others).coverage(self.swarm.num_layers)[first:last])
 
     async def _close_replica(self) -> None:
         session, self._session = self._session, None
