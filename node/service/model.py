@@ -126,7 +126,7 @@ class ServedModel:
                             "this model's store has no tokenizer: send the prompt as token ids to /v1/completions")
         try:
             if req.chat:
-                tools = req.tools.definitions if req.tools.active else ()
+                tools = req.tools.shown if req.tools.active else ()
                 ids = chat_ids(self.tokenizer, list(req.messages), tools)
                 ids += self.tokenizer(prefill, add_special_tokens=False)["input_ids"] if prefill else []
             else:

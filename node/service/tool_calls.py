@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from .schema_check import schema_errors
 from .wire_errors import bad_param
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
@@ -39,6 +40,16 @@ class Tools:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(d["function"]["name"] for d in self.definitions)
+
+    @property
+    def shown(self) -> tuple[dict[str, Any], ...]:
+        """The definitions as the chat template shows them (OpenAI's function objects, without our `strict` mark)."""
+        return tuple({"type": "function", "function": d["function"]} for d in self.definitions)
+
+    def schema_of(self, name: str) -> dict[str, Any] | None:
+        """The parameters schema a call of `name` must satisfy: a strict tool's (None: not checked)."""
+        d = next(d for d in self.definitions if d["function"]["name"] == name)
+        return d["function"].get("parameters", {}) if d.get("strict") else None
 
     @property
     def active(self) -> bool:
@@ -103,10 +114,10 @@ def _definition(tool: Any, where: str) -> dict[str, Any]:
         raise bad_param(f"{where}.function.description", "description must be a string", "invalid_type")
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise bad_param(f"{where}.function.parameters", "parameters must be a JSON Schema object", "invalid_type")
-    if fn.get("strict"):
-        raise bad_param(f"{where}.function.strict", "strict function calling (constrained decoding) is not supported")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise bad_param(f"{where}.function.strict", "strict must be true or false", "invalid_type")
     kept = {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
-    return {"type": "function", "function": kept}
+    return {"type": "function", "function": kept, **({"strict": True} if fn.get("strict") else {})}
 
 
 def _choice(choice: Any, names: list[str]) -> str:
@@ -127,9 +138,10 @@ def call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _as_call(obj: Any, names: tuple[str, ...]) -> ToolCall | None:
-    """A JSON value that is a call of an offered tool: {"name", "arguments" (or "parameters"): object}."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+def _as_call(obj: Any, tools: Tools) -> ToolCall | None:
+    """A JSON value that is a call of an offered tool: {"name", "arguments" (or "parameters"): object}, conforming
+    to the tool's schema when the tool is strict."""
+    if not isinstance(obj, dict) or obj.get("name") not in tools.names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -139,17 +151,20 @@ def _as_call(obj: Any, names: tuple[str, ...]) -> ToolCall | None:
             return None
     if not isinstance(args, dict) or set(obj) - {"name", "arguments", "parameters"}:
         return None
+    schema = tools.schema_of(obj["name"])
+    if schema is not None and schema_errors(args, schema):
+        return None
     return ToolCall(call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _calls_in(payload: str, names: tuple[str, ...]) -> list[ToolCall] | None:
+def _calls_in(payload: str, tools: Tools) -> list[ToolCall] | None:
     """The calls one block holds (an object, or a list of them), or None when it is not wholly calls."""
     try:
         value = json.loads(payload)
     except ValueError:
         return None
     items = value if isinstance(value, list) and value else [value]
-    calls = [_as_call(v, names) for v in items]
+    calls = [_as_call(v, tools) for v in items]
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
@@ -166,20 +181,21 @@ def parse_output(text: str, tools: Tools) -> ParsedOutput:
     or unknown-tool blocks stay in the text as they were."""
     if not tools.active:
         return ParsedOutput(text, ())
-    names, calls, spans = tools.names, [], []
+    calls: list[ToolCall] = []
+    spans: list[tuple[int, int]] = []
     for match in _TAGGED.finditer(text):
-        found = _calls_in(match.group(1), names)
+        found = _calls_in(match.group(1), tools)
         if found is not None:
             calls += found
             spans.append(match.span())
     if not calls:
         for match in _FENCED.finditer(text):
-            found = _calls_in(match.group(2), names) if match.group(1).lower() in FENCE_LANGS else None
+            found = _calls_in(match.group(2), tools) if match.group(1).lower() in FENCE_LANGS else None
             if found is not None:
                 calls += found
                 spans.append(match.span())
     if not calls:
-        found = _calls_in(text.strip(), names) if text.strip()[:1] in ("{", "[") else None
+        found = _calls_in(text.strip(), tools) if text.strip()[:1] in ("{", "[") else None
         if found is not None:
             calls, spans = found, [(0, len(text))]
     content = text

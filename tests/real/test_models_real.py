@@ -9,7 +9,6 @@ import gc
 import gzip
 import hashlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.real import needs_pair, realmodels
 
 from dsd.shard_store import Store, StoreError
 from dsd.shard_store.default_models import (
@@ -289,12 +289,6 @@ def test_pins_match_the_models_extra() -> None:
 
 
 # ---- the real prepared pair (dsd-node models prepare) ----------------------------------------------
-
-realmodels = pytest.mark.realmodels
-needs_pair = pytest.mark.skipif(
-    bool(os.environ.get("CI")) or not prepared(),
-    reason="default model pair not prepared (dsd-node models prepare), or running in CI",
-)
 
 
 def humaneval_prompt() -> str:

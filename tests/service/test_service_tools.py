@@ -54,7 +54,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def request_ids(tok, messages: list[dict], tools: Tools) -> list[int]:
     """The prompt ids the server makes of a chat request (its own parser and template call), prefill included."""
     req = parse_request(json.dumps({"model": MODEL, "messages": messages}).encode(), chat=True)
-    ids = chat_ids(tok, list(req.messages), tools.definitions if tools.active else ())
+    ids = chat_ids(tok, list(req.messages), tools.shown if tools.active else ())
     return ids + (tok(tools.prefill(), add_special_tokens=False)["input_ids"] if tools.forced else [])
 
 

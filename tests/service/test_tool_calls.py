@@ -100,6 +100,30 @@ def test_a_required_call_is_prefilled_and_held_from_the_start() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_time", {"zone": "UTC"})]
 
 
+STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+    "properties": {"city": {"type": "string"}, "unit": {"anyOf": [{"enum": ["C", "F"]}, {"type": "null"}]}},
+}}}
+
+
+@pytest.mark.parametrize(("arguments", "is_call"), [
+    ({"city": "Paris", "unit": "C"}, True),
+    ({"city": "Paris", "unit": None}, True),
+    ({"city": "Paris"}, False),  # a required key missing
+    ({"city": "Paris", "unit": "K"}, False),  # outside the enum
+    ({"city": 75001, "unit": "C"}, False),  # a wrong type
+    ({"city": "Paris", "unit": "C", "zip": "75001"}, False),  # additionalProperties false
+])
+def test_a_strict_tools_calls_conform_to_its_schema_or_stay_text(arguments: dict, is_call: bool) -> None:
+    """Strict mode's promise kept by checking (decoding is not constrained): a call that breaks the schema is text."""
+    tools = parse_tools({"tools": [STRICT]})
+    text = "<tool_call>" + json.dumps({"name": "get_weather", "arguments": arguments}) + "</tool_call>"
+    out = parse_output(text, tools)
+    assert bool(out.calls) == is_call and (out.content == text) != is_call
+    assert "strict" not in json.dumps(tools.shown)  # the template shows the function, not our mark
+    assert bool(parse_output(text, parse_tools({"tools": [WEATHER]})).calls)  # not strict: any object is a call
+
+
 def test_call_deltas_are_openai_chunks() -> None:
     (call,) = parse_output(CALLS["tagged"], TOOLS).calls
     assert call_deltas([call]) == [
@@ -130,8 +154,8 @@ REFUSED = {
     "a tool that is not a function": ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
     "a bad function name": ({"tools": [{"type": "function", "function": {"name": "get weather"}}]},
                             "tools[0].function.name"),
-    "strict functions": ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-                         "tools[0].function.strict"),
+    "strict not a flag": ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+                          "tools[0].function.strict"),
     "duplicate tools": ({"tools": [WEATHER, WEATHER]}, "tools"),
 }
 
