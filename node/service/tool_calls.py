@@ -26,6 +26,8 @@ MAX_TOOLS = 128  # as OpenAI's API
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # as OpenAI's API
 _TAGGED = re.compile(re.escape(TAG_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TAG_CLOSE) + r"|\Z)", re.S)
 _FENCED = re.compile(r"```([A-Za-z_]*)[ \t]*\n?(.*?)(?:```|\Z)", re.S)
+_LINE_OBJECT = re.compile(r"^[ \t]*\{", re.M)  # a JSON object opening a line: small models write calls so, amid other text
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,12 @@ def parse_output(text: str, tools: Tools) -> ParsedOutput:
         found = _calls_in(text.strip(), tools) if text.strip()[:1] in ("{", "[") else None
         if found is not None:
             calls, spans = found, [(0, len(text))]
+    if not calls:
+        for match in _LINE_OBJECT.finditer(text):
+            verdict, end, call = _line_object(text, match.end() - 1, tools)
+            if call is not None:
+                calls.append(call)
+                spans.append((match.end() - 1, end))
     content = text
     for start, end in reversed(spans):
         content = content[:start] + content[end:]
@@ -219,29 +227,53 @@ class ToolCallFilter:
         if not self.tools.active:
             safe = len(self.text)
         else:
-            safe = max(self.released, _safe_length(self.text, self.released))
+            safe = max(self.released, _safe_length(self.text, self.released, self.tools))
         out, self.released = self.text[self.released : safe], safe
         return out
 
 
-def _safe_length(text: str, released: int) -> int:
+def _safe_length(text: str, released: int, tools: Tools) -> int:
     """How much of `text` can be shown: up to the first place a call may start (fences are read from the start,
     so a code block's closing fence is never taken for an opening one)."""
-    if released == 0 and text.lstrip()[:1] in ("", "{", "["):  # blank so far, or a bare JSON value opening it
+    if released == 0 and text.lstrip()[:1] in ("", "["):  # blank so far, or a bare JSON list opening it
         return 0
     pos = 0
     while True:
         tag, fence = text.find(TAG_OPEN, pos), text.find(FENCE, pos)
-        starts = [i for i in (tag, fence) if i >= 0]
+        line = _LINE_OBJECT.search(text, pos)
+        starts = [i for i in (tag, fence, line.end() - 1 if line else -1) if i >= 0]
         if not starts:
             return len(text) - _partial_marker(text[pos:])
         first = min(starts)
-        if first != fence:
+        if first == tag:
             return first
-        verdict, end = _fence_verdict(text, fence)
+        if first == fence:
+            verdict, end = _fence_verdict(text, fence)
+        else:
+            verdict, end, _ = _line_object(text, first, tools)
         if verdict != "code":
-            return fence
-        pos = end
+            return 0 if not text[:first].strip() else first  # a call opening the answer: its indent is held too
+        pos = max(end, first + 1)
+
+
+def _line_object(text: str, at: int, tools: Tools) -> tuple[str, int, ToolCall | None]:
+    """The JSON object opening a line at `at`: a call ("call", its end, the call), one still being written
+    ("maybe"), or anything else ("code", where to go on from)."""
+    try:
+        value, end = _DECODER.raw_decode(text, at)
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text) or exc.msg.startswith("Unterminated string"):  # cut short, not malformed
+            return "maybe", len(text), None
+        newline = text.find("\n", at)
+        return "code", len(text) if newline < 0 else newline, None
+    rest = text[end:]
+    newline = rest.find("\n")
+    if (rest if newline < 0 else rest[:newline]).strip():
+        return "code", end, None  # more follows on its line: prose or code, not a call
+    call = _as_call(value, tools)
+    if call is None:
+        return "code", end, None
+    return ("call" if newline >= 0 else "maybe"), end, call
 
 
 def _partial_marker(tail: str) -> int:

@@ -28,6 +28,14 @@ CALLS = {
     "arguments as a JSON string": '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
     "parameters instead of arguments": '<tool_call>{"name": "get_weather", "parameters": {"city": "Paris"}}</tool_call>',
 }
+# What the real 1.5B target wrote, sampling at temperature 1 for the OpenAI Agents SDK's example: a call on its own
+# line(s) after other markup.
+CALLS_AMID_TEXT = {
+    "after an empty tools element": ('<tools></tools>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                     "<tools></tools>"),
+    "indented inside an element": ('<response>\n    {\n        "name": "get_weather",\n        "arguments": '
+                                   '{"city": "Paris"}\n    }\n</response>', "<response>\n    \n</response>"),
+}
 
 
 def streamed(text: str, tools: Tools = TOOLS, prefill: str = "", step: int = 1) -> str:
@@ -42,6 +50,15 @@ def test_each_form_is_one_call_and_no_content(text: str) -> None:
     assert out.content.strip() == ""
     assert out.calls[0].id.startswith("call_") and out.calls[0].as_dict()["type"] == "function"
     assert streamed(text) == ""  # nothing of the markup is shown as content while streaming
+
+
+@pytest.mark.parametrize(("text", "content"), CALLS_AMID_TEXT.values(), ids=CALLS_AMID_TEXT.keys())
+def test_a_call_on_its_own_lines_amid_other_text(text: str, content: str) -> None:
+    out = parse_output(text, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Paris"})]
+    assert out.content.strip() == content
+    shown = streamed(text)
+    assert out.content.startswith(shown) and "get_weather" not in shown
 
 
 def test_text_before_calls_streams_and_parallel_calls_are_all_kept() -> None:
@@ -70,7 +87,9 @@ def test_malformed_calls_stay_text(text: str) -> None:
     assert out.calls == () and out.content == text
 
 
-ORDINARY = ["def f(x):\n    return x < 3  # a < b\n", "Use `json.loads` here.",
+ORDINARY = ["def f(x):\n    return x < 3  # a < b\n", "Use `json.loads` here.", "x = {\n  'a': 1\n}\nprint(x)\n",
+            '{"a": 1} is a dict', 'Call it so:\n{"name": "get_weather", "arguments": {}} and then wait.\n',
+            '{:line=>1, :meta=>{:id=>"get_weather"}}\nThat is Ruby.',
             "```python\nprint({'name': 1})\n```\nDone.", "```js\n{a: 1}\n```", "```json\n[1, 2, 3]\n```"]
 
 
