@@ -164,7 +164,9 @@ def _calls_in(payload: str, tools: Tools) -> list[ToolCall] | None:
     try:
         value = json.loads(payload)
     except ValueError:
-        return None
+        value = _undoubled(payload.strip())
+        if value is None:
+            return None
     items = value if isinstance(value, list) and value else [value]
     calls = [_as_call(v, tools) for v in items]
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
@@ -256,13 +258,28 @@ def _safe_length(text: str, released: int, tools: Tools) -> int:
         pos = max(end, first + 1)
 
 
-def _line_object(text: str, at: int, tools: Tools) -> tuple[str, int, ToolCall | None]:
-    """The JSON object opening a line at `at`: a call ("call", its end, the call), one still being written
-    ("maybe"), or anything else ("code", where to go on from)."""
+def _undoubled(text: str) -> Any:
+    """A JSON object in doubled braces, `{{"name": ...}}` (Qwen2.5's template shows its call format so, and models
+    copy it), or None."""
+    if not text.startswith("{{"):
+        return None
     try:
-        value, end = _DECODER.raw_decode(text, at)
+        value, end = _DECODER.raw_decode(text, 1)
+    except json.JSONDecodeError:
+        return None
+    return value if text[end:].strip().strip("}") == "" else None
+
+
+def _line_object(text: str, at: int, tools: Tools) -> tuple[str, int, ToolCall | None]:
+    """The JSON object opening a line at `at` (also in doubled braces, see `_undoubled`): a call ("call", its end,
+    the call), one still being written ("maybe"), or anything else ("code", where to go on from)."""
+    doubled = text.startswith("{{", at)
+    try:
+        value, end = _DECODER.raw_decode(text, at + 1 if doubled else at)
+        while doubled and text.startswith("}", end):
+            end += 1
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text) or exc.msg.startswith("Unterminated string"):  # cut short, not malformed
+        if exc.pos >= len(text) or exc.msg.startswith("Unterminated string") or text[at:] in ("{", "{{"):
             return "maybe", len(text), None
         newline = text.find("\n", at)
         return "code", len(text) if newline < 0 else newline, None

@@ -21,6 +21,7 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 CALLS = {
     "tagged": f"<tool_call>\n{CALL}\n</tool_call>",
     "tagged, unclosed at the end": f"<tool_call>\n{CALL}\n",
+    "tagged, doubled braces": f"<tool_call>\n{{{CALL}}}\n</tool_call>",
     "fenced json (what Qwen2.5-Coder-1.5B writes)": f"```json\n{CALL}\n```",
     "fenced on one line": f"```json {CALL} ```",
     "fenced, no language": f"```\n{CALL}\n```",
@@ -33,6 +34,8 @@ CALLS = {
 CALLS_AMID_TEXT = {
     "after an empty tools element": ('<tools></tools>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
                                      "<tools></tools>"),
+    "doubled braces, as Qwen2.5's template shows the format": ('<tools></tools>\n\n{{"name": "get_weather", '
+                                                              '"arguments": {"city": "Paris"}}}}', "<tools></tools>"),
     "indented inside an element": ('<response>\n    {\n        "name": "get_weather",\n        "arguments": '
                                    '{"city": "Paris"}\n    }\n</response>', "<response>\n    \n</response>"),
 }
