@@ -171,7 +171,7 @@ def live_run(stores: dict[str, Path], prompt: list[int], k: int, new_tokens: int
             return {"error": f"testnet did not come up: {type(exc).__name__}: {exc}"}
         dstore = Store(stores["draft"])
         params = SamplingParams(temperature=1.0)
-        drafter = ModelDrafter(dstore.load_full(), params, torch.Generator().manual_seed(1))
+        drafter = ModelDrafter(dstore.load_full(), params)
         vocab = int(dstore.manifest.vocab_size)
 
         async def main() -> dict:

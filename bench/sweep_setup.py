@@ -159,8 +159,6 @@ class Workload:
 def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any, Any, Any]:
     """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair) or `tiny` (target as
     draft); `quant` is the draft's quantization (`dsd-node generate --draft-quant`)."""
-    import torch
-
     from dsd.node.head.drafters import ModelDrafter, quantize_draft_model
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import HeadSetup, eos_ids, load_head_setup
@@ -178,7 +176,7 @@ def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any
         real = default_store_paths()["target"]
         store_path = build_tiny_store(work / "tiny", tokenizer_store=real if prepared() else None)
         store = Store(store_path)
-        drafter = ModelDrafter(quantize_draft_model(store.load_full(), quant), params, torch.Generator().manual_seed(1))
+        drafter = ModelDrafter(quantize_draft_model(store.load_full(), quant), params)
         setup = HeadSetup(head=store.load_head(), model_id=store.manifest.model_id,
                           num_layers=store.num_layers, drafter=drafter)
         return store_path, setup, store.load_tokenizer(), frozenset()

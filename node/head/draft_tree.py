@@ -32,7 +32,9 @@ class Children(enum.Enum):
     """How a node's children were chosen, which picks the verification rule."""
 
     # Chosen without looking at the target's random draws (top-k of the draft, EAGLE-2 rerank,
-    # n-gram lookups): verified by sequential elimination on the target residual, rule (c).
+    # n-gram lookups): verified by sequential elimination on the target residual, rule (c). (In the
+    # lossless sampling modes the children are the top-k of the perturbed scores log q + G, which the
+    # target's draws share: those trees are verified only by the Gumbel-max walk, which takes any tree.)
     TOPK = "topk"
     # Drawn from the draft distribution q without replacement, in draw order: rule (b), which
     # needs q (`DraftTree.q`) and reduces to Leviathan/Chen's rule on a chain.
@@ -209,6 +211,8 @@ def expand_tree(
     Every drafted node (top_k + (depth − 1)·width·top_k at most) must fit MAX_POOL_NODES; the kept
     `budget` must fit MAX_TREE_NODES (what a window may carry).
     `keep_q` stores each node's parent distribution as q (TOPK children; for τ).
+    When sampling, the head passes coupled rows softmax(log q + G_pos) (`drafting.py`): children are then the
+    top-k of the perturbed scores, the draft's own Gumbel-max draw first, and path values their products.
     """
     for name, value in (("budget", budget), ("depth", depth), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

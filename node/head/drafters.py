@@ -2,9 +2,11 @@
 
 All take the full token context (committed tokens, possibly extended by
 still-unverified drafts when the head drafts ahead) and return up to γ draft
-tokens plus, for the model drafter, the warped draft distributions q that
-lossless verification needs. After a rejection the head simply calls again
-with the shorter, corrected context: the model drafter keeps the KV cache of
+tokens plus, for the model drafter, the warped draft distributions q. When
+sampling, the model drafter proposes at position pos the Gumbel-max draw
+argmax(log q + G_pos) with the verifier's noise (`use_noise`): an exact draw
+from q, coupled with the target's own draw at pos. After a rejection the head
+simply calls again with the shorter, corrected context: the model drafter keeps the KV cache of
 the longest common prefix and crops the rest, so rollback costs nothing.
 A draft model may be int8-quantized (`quantize_draft_model`) to draft faster
 on a CPU; verification is unchanged, so the output stays the target's.
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from .draft_cache import DraftCache
-from .sampling import SamplingParams, sample, softmax, warp
+from .sampling import GumbelNoise, SamplingParams, softmax, warp
 
 __all__ = [
     "NgramDrafter",
@@ -179,8 +181,9 @@ class ModelDrafter:
     """Drafts with a transformers causal LM, keeping its own KV cache across calls (as a token tree).
 
     `propose(context, γ)` keeps the longest cached prefix of `context`, feeds only
-    the new tokens, then drafts γ tokens (argmax when greedy, else sampled from
-    `warp(logits, params)` with `generator`). `step_many(contexts)` drafts one
+    the new tokens, then drafts γ tokens (argmax when greedy, else the token at
+    position pos is argmax(log warp(logits, params) + G_pos) with `noise`, the
+    generation's Gumbel noise). `step_many(contexts)` drafts one
     token after each of several contexts in one batched forward (outcome
     pre-drafting); `dists_many(contexts)` returns their next-token distributions
     without choosing (token-tree expansion: the frontier of a tree in one forward);
@@ -194,7 +197,7 @@ class ModelDrafter:
         self,
         model: torch.nn.Module,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        noise: GumbelNoise | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -202,8 +205,15 @@ class ModelDrafter:
             raise TypeError(f"{type(model).__name__} is not a causal LM with an output embedding")
         self.model = model.eval()
         self.params = params
-        self.generator = generator
+        self.use_noise(GumbelNoise(0) if noise is None else noise)
         self._tree = DraftCache(self.model)
+
+    def use_noise(self, noise: GumbelNoise) -> None:
+        """Draw sampled drafts with `noise`: the engine hands over its own, so drafts are coupled with the
+        target's draws (same seed) and a position's noise is computed once for both."""
+        if not isinstance(noise, GumbelNoise):
+            raise TypeError(f"noise must be a GumbelNoise, got {type(noise).__name__}")
+        self.noise = noise
 
     @property
     def vocab_size(self) -> int:
@@ -233,11 +243,12 @@ class ModelDrafter:
         """q of one row: the untempered softmax when greedy, else the warped distribution drafts come from."""
         return softmax(logits) if self.params.greedy else warp(logits, self.params)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _choose(self, logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor]:
+        """The draft token at absolute position `pos` and its q row."""
         q = self._dist(logits)
         if self.params.greedy:
             return int(torch.argmax(logits)), q
-        return sample(q, self.generator), q
+        return int(torch.argmax(torch.log(q) + self.noise(pos, q.shape[-1]))), q  # as coupled_token, on q
 
     def _check(self, context: Sequence[int]) -> list[int]:
         ctx = [int(t) for t in context]
@@ -262,7 +273,7 @@ class ModelDrafter:
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
         for j in range(gamma):
-            tok, q = self._choose(logits)
+            tok, q = self._choose(logits, len(ctx) + j)
             drafts.append(tok)
             rows.append(q)
             if j + 1 < gamma:
@@ -274,7 +285,7 @@ class ModelDrafter:
         """One drafted token (and its q row) after each context, all in one batched forward."""
         ctxs = [self._check(c) for c in contexts]
         logits = self._tree.extend(ctxs)
-        return [self._choose(row) for row in logits]
+        return [self._choose(row, len(ctx)) for row, ctx in zip(logits, ctxs, strict=True)]
 
     @torch.inference_mode()
     def dists_many(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -352,6 +363,10 @@ class HybridDrafter:
     def reset(self) -> None:
         """Drop the draft model's cache (the counts are kept)."""
         self.model.reset()
+
+    def use_noise(self, noise: GumbelNoise) -> None:
+        """The draft model's sampled drafts use `noise` (lookup drafts are deterministic)."""
+        self.model.use_noise(noise)
 
     def source_counts(self) -> dict[str, int]:
         """How many proposals (calls) and tokens each source supplied, for reports."""

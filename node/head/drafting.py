@@ -1,5 +1,11 @@
 """Drafting for the head: chains and token trees on the critical path, and outcome branches while a
-window is in flight (`predraft`), with the time each costs kept in the engine's `TimeBreakdown`."""
+window is in flight (`predraft`), with the time each costs kept in the engine's `TimeBreakdown`.
+
+In the lossless sampling modes every draft row the head bets on is the coupled row softmax(log q + G_pos)
+(`coupled_dist`) instead of q: the target's token at pos is argmax(log p + G_pos), so the draft's runners-up
+on the perturbed scores are its best guesses of a correction, the children of a tree node, the branches
+to pre-draft, and the ranks the window controller learns from. A row drafted after context c is for
+position len(c)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from .config import TREE_DEPTH_CAP, TREE_TOP_K, Drafter, GenerationConfig, TreeD
 from .draft_tree import DraftTree, expand_tree
 from .outcomes import Branch, bonus_alternatives
 from .report import TimeBreakdown
+from .sampling import GumbelNoise, coupled_dist
 
 
 @dataclass
@@ -36,6 +43,22 @@ class Draft:
         """Positions the window reaches past its root (a chain's γ, a tree's depth)."""
         return len(self.tokens) if self.tree is None else max(self.tree.depths(), default=0)
 
+    def ranks(self, tokens: list[int], path: list[int], full: bool) -> list[int | None]:
+        """Ranks of the tokens the target emitted (`tokens`, along the accepted `path`; `full`: it ended with a
+        bonus) in the draft rows they were checked against: every accepted draft, and the correction (the
+        bonus after a leaf had no draft row)."""
+        if self.tree is None:
+            tested = len(path) + (0 if full else 1)
+            return [_rank(self.probs[i], tokens[i]) for i in range(tested) if self.probs[i] is not None]
+        tree = self.tree
+        if tree.q is None:
+            return []
+        out = [_rank(tree.q[i], tree.tokens[i]) for i in path]
+        if not full:
+            kids = tree.children_of(path[-1] if path else -1)
+            out.append(_rank(tree.q[kids[0]], tokens[-1]))
+        return out
+
     @property
     def wire_parents(self) -> list[int] | None:
         """The window's parents on the wire (root = node 0, tree node i = node i + 1); None for a chain,
@@ -43,6 +66,14 @@ class Draft:
         if self.tree is None or all(p == i - 1 for i, p in enumerate(self.tree.parents)):
             return None
         return [-1, *(p + 1 for p in self.tree.parents)]
+
+
+def _rank(q: torch.Tensor | None, token: int) -> int | None:
+    """1 + how many tokens the draft found likelier than `token` (None: no q, or q(token) = 0)."""
+    if q is None:
+        return None
+    p = float(q[token])
+    return 1 + int((q > p).sum()) if p > 0.0 else None
 
 
 class Arrival:
@@ -95,28 +126,45 @@ class Bets:
 class Drafting:
     """The head's drafter at work: what it drafts, batched how, and what that costs."""
 
-    def __init__(self, drafter: Drafter | None, cfg: GenerationConfig, times: TimeBreakdown) -> None:
+    def __init__(self, drafter: Drafter | None, cfg: GenerationConfig, times: TimeBreakdown,
+                 coupled: GumbelNoise | None = None) -> None:
         self.drafter = drafter
         self.cfg = cfg
         self.times = times
+        self.coupled = coupled  # the generation's noise in the lossless sampling modes: rows become coupled rows
         self.draft_token_s = 0.0  # last measured seconds per drafted token (or per batched branch step)
         self.tree_layer_s = 0.0  # last measured seconds per drafted tree layer
 
+    def _row(self, q: torch.Tensor, pos: int) -> torch.Tensor:
+        """The row the head bets on for position `pos`: q, or its coupled row when the noise is set."""
+        return q if self.coupled is None else coupled_dist(q, self.coupled(pos, q.shape[-1]))
+
     def _propose(self, context: Sequence[int], gamma: int) -> tuple[list[int], torch.Tensor | None]:
         assert self.drafter is not None
-        return self.drafter.propose(context, gamma)
+        toks, probs = self.drafter.propose(context, gamma)
+        if probs is None or self.coupled is None or not toks:
+            return toks, probs
+        return toks, torch.stack([self._row(q, len(context) + j) for j, q in enumerate(probs)])
 
     def _step(self, contexts: list[list[int]]) -> list[tuple[int | None, torch.Tensor | None]]:
         """One draft token after each context: batched when the drafter can, else one call each."""
         assert self.drafter is not None
         step_many = getattr(self.drafter, "step_many", None)
-        if step_many is not None:
-            return list(step_many(contexts))
         out: list[tuple[int | None, torch.Tensor | None]] = []
-        for ctx in contexts:
-            toks, probs = self.drafter.propose(ctx, 1)
-            out.append((toks[0], None if probs is None else probs[0]) if toks else (None, None))
-        return out
+        if step_many is not None:
+            out = list(step_many(contexts))
+        else:
+            for ctx in contexts:
+                toks, probs = self.drafter.propose(ctx, 1)
+                out.append((toks[0], None if probs is None else probs[0]) if toks else (None, None))
+        return [(tok, q if q is None else self._row(q, len(ctx))) for (tok, q), ctx in zip(out, contexts, strict=True)]
+
+    def _dists(self, contexts: list[list[int]]) -> torch.Tensor:
+        """The draft's rows after each context in one batched forward (tree expansion), coupled when sampling."""
+        rows = cast(TreeDrafter, self.drafter).dists_many(contexts)
+        if self.coupled is None:
+            return rows
+        return torch.stack([self._row(q, len(ctx)) for q, ctx in zip(rows, contexts, strict=True)])
 
     async def draft(self, context: list[int], gamma: int) -> Draft:
         """Draft `gamma` tokens after `context` on the critical path (after a trip, or in `sd`)."""
@@ -130,16 +178,16 @@ class Drafting:
 
     def _expand(self, context: list[int], nodes: int, depth: int) -> tuple[DraftTree, int]:
         """Grow a tree of at most `nodes` drafts after `context` (worker thread); returns it and the number
-        of batched draft forwards it took."""
-        drafter = cast(TreeDrafter, self.drafter)
-        drafter.settle(context[:-1])  # as propose does: keep the cached prefix, feed the last token again
-        root = drafter.dists_many([context])[0]
+        of batched draft forwards it took. When sampling, a node's children are the top-k of its coupled
+        row (the top-k of log q + G): the draft's own Gumbel-max draw is always its first child."""
+        cast(TreeDrafter, self.drafter).settle(context[:-1])  # as propose: keep the cached prefix, feed the last token
+        root = self._dists([context])[0]
         layers = 1
 
         def step(tree: DraftTree, frontier: list[int]) -> torch.Tensor:
             nonlocal layers
             layers += 1
-            return drafter.dists_many([context + [tree.tokens[j] for j in tree.path(f)] for f in frontier])
+            return self._dists([context + [tree.tokens[j] for j in tree.path(f)] for f in frontier])
 
         tree = expand_tree(root, step, budget=nodes, depth=min(depth, TREE_DEPTH_CAP), top_k=TREE_TOP_K, keep_q=True)
         return tree, layers

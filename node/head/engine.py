@@ -24,6 +24,11 @@ exactly as before. While a
 tree is in flight, `dsd` pre-drafts chain branches for its likely outcomes (a leaf
 fully accepted, or a rejection below a node, at the draft's best tokens outside its
 children); a matched branch goes out as a chain window.
+
+Sampling in `ar`, `sd` and `dsd` draws the token at every absolute position by Gumbel-max with noise keyed
+by (seed, position), shared by drafter and verifier (`sampling.GumbelNoise`, docs/sampling.md): the text
+depends on the prompt, the seed and the sampling settings only, not on drafts, windows or timing.
+`dsd-adaptive` keeps the rejection-sampling rule its relaxation is defined on (its drafts use the noise).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from .outcomes import (
     tree_branches,
 )
 from .report import GenerationResult, TimeBreakdown
-from .sampling import SamplingParams
+from .sampling import GumbelNoise, SamplingParams
 from .tree_verify import verify_tree
 from .verify import Decoder, find_stop, verify_window
 from .window import WindowController
@@ -115,9 +120,14 @@ class HeadEngine:
         self.adaptive = (
             AdaptiveVerifier(tau_max=cfg.tau_max, params=self.verify_params) if cfg.mode == "dsd-adaptive" else None
         )
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed)  # dsd-adaptive's rejection sampling
+        self.noise = None if cfg.params.greedy else GumbelNoise(cfg.seed)
+        self.coupled = None if self.adaptive is not None else self.noise  # the lossless modes' Gumbel-max rule
+        use_noise = getattr(drafter, "use_noise", None)
+        if self.noise is not None and use_noise is not None:
+            use_noise(self.noise)  # drafts coupled with the target's draws, noise computed once for both
         self.times = TimeBreakdown()
-        self.drafting = Drafting(drafter, cfg, self.times)
+        self.drafting = Drafting(drafter, cfg, self.times, self.coupled)
         self.result = GenerationResult(cfg.mode, times=self.times)  # kept up to date: a failure keeps what was made
         can_tree = hasattr(drafter, "dists_many") and hasattr(drafter, "settle") and caps.trees
         if cfg.mode != "ar" and cfg.tree_nodes and not can_tree:
@@ -176,7 +186,7 @@ class HeadEngine:
             if not tally.rounds:
                 tally.prefill_s = round_s
             t_v = time.perf_counter()
-            outcome = self._verify(logits, flight.drafts)
+            outcome = self._verify(logits, flight.drafts, start=len(flight.context))
             self.times.verifying += time.perf_counter() - t_v
             self._count(tally, flight.drafts, outcome, round_s)
             emitted, finished = self._clip(outcome.tokens, new)
@@ -308,7 +318,7 @@ class HeadEngine:
         tally.accepted += k
         tally.accepted_per_round.append(k)
         tally.drafted_depth += drafts.depth
-        ranks = _ranks(drafts, outcome) if self.trees else []
+        ranks = drafts.ranks(outcome.tokens, outcome.path, outcome.full) if self.trees else []
         if drafts.tree is None:
             self.window.observe(gamma=n, accepted=k, draft_s_per_token=self.drafting.draft_token_s or 1e-3, round_s=round_s,
                                 ranks=ranks)
@@ -359,28 +369,30 @@ class HeadEngine:
         room = self.cfg.max_new_tokens - produced_after_window
         return max(0, min(self.window.next_gamma(), room))
 
-    def _verify(self, logits: torch.Tensor, drafts: Draft) -> _Outcome:
+    def _verify(self, logits: torch.Tensor, drafts: Draft, start: int) -> _Outcome:
+        """The verdict on a window whose row 0 predicts absolute position `start` (the root's length)."""
         if self.returns_probs:
             logits = torch.log(logits)
         if drafts.tree is not None:
-            return self._verify_tree(logits, drafts.tree)
+            return self._verify_tree(logits, drafts.tree, start)
         tau = None
         q = drafts.stacked_probs()
         if self.adaptive is not None and drafts.tokens:
             tau = self.adaptive.taus(logits[: len(drafts.tokens)], q, drafts.tokens)
-        verdict = verify_window(logits, drafts.tokens, q, self.verify_params, self.gen, tau)
+        verdict = verify_window(logits, drafts.tokens, q, self.verify_params, self.gen, tau, noise=self.coupled,
+                                start=start)
         if self.adaptive is not None and drafts.tokens:
             self.adaptive.observe(logits, q, drafts.tokens, accepted=verdict.accepted)
         k = verdict.accepted
         return _Outcome(list(verdict.tokens), k, list(range(k)), k == len(drafts.tokens))
 
-    def _verify_tree(self, logits: torch.Tensor, tree: DraftTree) -> _Outcome:
-        """Rule (c) on the tree's top-k children (greedy: follow the target's argmax); τ per node in
-        dsd-adaptive, from the row that predicts the node."""
+    def _verify_tree(self, logits: torch.Tensor, tree: DraftTree, start: int) -> _Outcome:
+        """Follow the target's token (greedy: argmax; sampling: Gumbel-max); in dsd-adaptive rule (c) on the
+        tree's top-k children with τ per node, from the row that predicts the node."""
         tau = None
         if self.adaptive is not None:
             tau = self.adaptive.taus(logits[tree.predicting_rows()], tree.q, tree.tokens)
-        verdict = verify_tree(logits, tree, self.verify_params, self.gen, tau)
+        verdict = verify_tree(logits, tree, self.verify_params, self.gen, tau, noise=self.coupled, start=start)
         path = verdict.path
         kids = tree.children_of(path[-1] if path else -1)
         if self.adaptive is not None and tree.q is not None:
@@ -399,26 +411,3 @@ class HeadEngine:
         keep = min(len(tokens), room) if stop is None else min(room, stop.length - len(new))
         return tokens[:keep], stop is not None or keep >= room
 
-
-def _rank(q: torch.Tensor | None, token: int) -> int | None:
-    """1 + how many tokens the draft found likelier than `token` (None: no q, or q(token) = 0)."""
-    if q is None:
-        return None
-    p = float(q[token])
-    return 1 + int((q > p).sum()) if p > 0.0 else None
-
-
-def _ranks(drafts: Draft, outcome: _Outcome) -> list[int | None]:
-    """Ranks of the tokens the target emitted in the draft distributions they were checked against: every
-    accepted draft, and the correction (the bonus after a leaf had no draft distribution)."""
-    if drafts.tree is None:
-        tested = outcome.accepted + (0 if outcome.full else 1)
-        return [_rank(drafts.probs[i], outcome.tokens[i]) for i in range(tested) if drafts.probs[i] is not None]
-    tree = drafts.tree
-    if tree.q is None:
-        return []
-    out = [_rank(tree.q[i], tree.tokens[i]) for i in outcome.path]
-    if not outcome.full:
-        kids = tree.children_of(outcome.path[-1] if outcome.path else -1)
-        out.append(_rank(tree.q[kids[0]], outcome.tokens[-1]))
-    return out

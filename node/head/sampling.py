@@ -1,19 +1,39 @@
-"""Sampling warps shared by the target and the drafter.
+"""Sampling warps shared by the target and the drafter, and the Gumbel noise that couples them.
 
 Speculative sampling is only lossless when the draft distribution q and the
 target distribution p are shaped by the same temperature/top-k/top-p rule, so
 both sides call `warp` from here. The rule and its order (temperature, then
 top-k, then top-p) follow HF `generate`, tie rules included.
+
+When sampling, the token at absolute position `pos` of a generation seeded `seed`
+is argmax(log p + G_pos) (Gumbel-max: an exact draw from p), with G_pos a noise
+vector keyed by (seed, pos) alone; the drafter proposes argmax(log q + G_pos) with
+the same noise. The text then depends on the context, the seed and the params
+only, never on drafts, windows or timing (docs/sampling.md).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "warp", "sample", "softmax"]
+__all__ = [
+    "SamplingParams",
+    "warp",
+    "sample",
+    "softmax",
+    "gumbel",
+    "GumbelNoise",
+    "perturbed",
+    "coupled_token",
+    "coupled_dist",
+]
 
 
 @dataclass(frozen=True)
@@ -127,3 +147,89 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     while idx > 0 and float(probs[idx]) <= 0.0:
         idx -= 1
     return idx
+
+
+_U64 = (1 << 64) - 1
+NOISE_CACHE = 32  # noise vectors a generation keeps (0.6 MB each at a 150k vocabulary)
+
+
+def gumbel(seed: int, pos: int, vocab: int) -> torch.Tensor:
+    """G_pos: standard Gumbel noise [vocab] (float32) for position `pos` of a generation seeded `seed`.
+
+    Drawn from numpy's Philox, a counter-based generator, keyed by (seed mod 2^64, pos): every pair has
+    its own stream, so the vector is the same whoever asks for it and whenever. (torch's CPU generator
+    keeps only the low 32 bits of a seed, so seeding it with a mix of seed and pos would make pairs
+    collide.) U in [0, 1) is drawn in float64 and clamped into (0, 1) before G = −log(−log U).
+    """
+    if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0 or pos > _U64:
+        raise ValueError(f"pos must be an integer in [0, 2^64), got {pos!r}")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"vocab must be an integer >= 1, got {vocab!r}")
+    key = ((int(seed) & _U64) << 64) | pos
+    u = np.random.Generator(np.random.Philox(key=key)).random(vocab)
+    np.maximum(u, np.finfo(np.float64).tiny, out=u)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    return torch.from_numpy(u).float()
+
+
+class GumbelNoise:
+    """The noise of one generation: G_pos on demand for any position, the last `cache` vectors kept.
+
+    Shared by the drafter (in a worker thread) and the verifier, so a position drafted and then verified
+    costs one draw; a lock keeps the cache consistent across threads.
+    """
+
+    def __init__(self, seed: int, cache: int = NOISE_CACHE) -> None:
+        if isinstance(seed, bool):
+            raise TypeError("seed must be an int, got bool")
+        if cache < 0:
+            raise ValueError(f"cache must be >= 0, got {cache}")
+        self.seed = operator.index(seed)
+        self.cache = cache
+        self._kept: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, pos: int, vocab: int) -> torch.Tensor:
+        """G_pos over a vocabulary of `vocab` tokens (do not modify it: it may be shared)."""
+        key = (pos, vocab)
+        with self._lock:
+            hit = self._kept.get(key)
+            if hit is not None:
+                self._kept.move_to_end(key)
+                return hit
+        g = gumbel(self.seed, pos, vocab)
+        with self._lock:
+            self._kept[key] = g
+            while len(self._kept) > self.cache:
+                self._kept.popitem(last=False)
+        return g
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def perturbed(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """log warp(logits) + noise: the scores whose argmax is the Gumbel-max draw from warp(logits).
+
+    Tokens outside the top-k / nucleus score −inf, so they are never drawn."""
+    if params.greedy:
+        raise ValueError("Gumbel-max draws are for sampling; greedy decoding takes the argmax of the logits")
+    return torch.log(warp(logits, params)) + noise
+
+
+def coupled_token(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> int:
+    """The token drawn from warp(logits [V]) with noise G: argmax(log p + G) (first index on a tie)."""
+    return int(torch.argmax(perturbed(logits, params, noise)))
+
+
+def coupled_dist(q: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """softmax(log q + G) of a draft distribution q [V] (or rows [n, V] with noise rows [n, V]).
+
+    Once G is known the draft's token is fixed (the argmax); this row ranks the other tokens by how
+    close they came, which is what the head bets on (alternatives, tree children, ranks): the target
+    emits its own argmax(log p + G), usually the draft's or one of its runners-up.
+    """
+    return torch.softmax(torch.log(q.float()) + noise, dim=-1)

@@ -22,7 +22,7 @@ from .drafters import (
     quantize_draft_model,
 )
 from .engine import Drafter
-from .sampling import SamplingParams
+from .sampling import GumbelNoise, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -79,24 +79,20 @@ def load_drafter(
     check_quant_device(quant, device)
     dstore = Store(Path(store))
     model = quantize_draft_model(dstore.load_full(device=device, dtype=torch.float32 if quant == "int8" else dtype), quant)
-    drafter = ModelDrafter(model, params, draft_generator(seed))
+    drafter = ModelDrafter(model, params, GumbelNoise(seed))
     drafter.check_compatible(vocab_size, tokenizer, dstore.load_tokenizer())
     return HybridDrafter(drafter) if ngram else drafter
 
 
-def draft_generator(seed: int) -> torch.Generator:
-    """The draft model's sampling generator for a generation seeded `seed` (a stream apart from the verifier's)."""
-    return torch.Generator().manual_seed(seed + 1)
-
-
 def request_drafter(drafter: Drafter | None, params: SamplingParams, seed: int) -> Drafter | None:
-    """A drafter like `drafter` for one more generation: its own sampling settings, seed and draft cache,
-    the loaded draft model's weights shared. A long-lived head (`dsd-node serve`) loads the draft once and
-    runs concurrent generations with different settings; the stateless n-gram drafter is shared as is."""
+    """A drafter like `drafter` for one more generation: its own sampling settings, Gumbel noise (the
+    generation's seed: the engine hands over its own noise object too) and draft cache, the loaded draft
+    model's weights shared. A long-lived head (`dsd-node serve`) loads the draft once and runs concurrent
+    generations with different settings; the stateless n-gram drafter is shared as is."""
     if isinstance(drafter, HybridDrafter):
-        return HybridDrafter(ModelDrafter(drafter.model.model, params, draft_generator(seed)), drafter.ngram)
+        return HybridDrafter(ModelDrafter(drafter.model.model, params, GumbelNoise(seed)), drafter.ngram)
     if isinstance(drafter, ModelDrafter):
-        return ModelDrafter(drafter.model, params, draft_generator(seed))
+        return ModelDrafter(drafter.model, params, GumbelNoise(seed))
     return drafter
 
 

@@ -3,9 +3,12 @@
 Row 0 of the target output belongs to the last committed token, row i + 1 to
 node i. The walk starts at the root; at each accepted node its children are
 tried in order, the first accepted one is descended into, and the walk ends with
-one correction (every child rejected) or bonus (a leaf was reached) token. The
-rules and their proofs are in docs/tree_verification.md; on a chain they are
-exactly `verify_window`'s, consuming the same random draws.
+one correction (every child rejected) or bonus (a leaf was reached) token. When
+sampling with the generation's Gumbel noise (the lossless modes) the target's
+token at each depth is fixed by its row and the noise of its position, and the walk
+follows the child holding it (docs/sampling.md). The rejection-sampling rules
+(dsd-adaptive) and their proofs are in docs/tree_verification.md; on a chain every
+rule is exactly `verify_window`'s, consuming the same random draws.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_tree import Children, DraftTree
-from .sampling import SamplingParams, sample, softmax, warp
+from .sampling import GumbelNoise, SamplingParams, coupled_token, sample, softmax, warp
 from .verify import Verdict
 
 __all__ = ["TreeVerdict", "verify_tree", "tree_verify_params"]
@@ -66,12 +69,19 @@ def verify_tree(
     tau: torch.Tensor | None = None,
     *,
     returns_probs: bool = False,
+    noise: GumbelNoise | None = None,
+    start: int = 0,
 ) -> TreeVerdict:
     """Verify a draft tree against target rows [n+1, V] (row 0: last committed token; row i+1: node i).
 
     Greedy: descend into the child equal to the row's argmax; emit the argmax as
     the correction when no child matches, or the leaf row's argmax as the bonus.
-    Sampling (p = warp(row)): TOPK children use rule (c), accept x with prob
+    Sampling with `noise` (lossless modes): row 0 predicts absolute position `start`,
+    the row of a node at depth d position `start + d`; the target's token there is
+    argmax(log warp(row) + G_pos). Descend into the child holding it, else emit it
+    (the correction); at a leaf emit the leaf row's token (the bonus). Any tree
+    gives the same tokens; the children kind and q are not used.
+    Sampling without `noise` (dsd-adaptive; p = warp(row)): TOPK children use rule (c), accept x with prob
     p_res(x), else p_res(x) ← 0 and renormalise; SAMPLED children use rule (b),
     accept x with prob min(1, p_res(x)/q_res(x)), else p_res ← norm(max(p_res − q_res, 0))
     and q_res(x) ← 0, renormalised. All children rejected: the correction is drawn
@@ -96,6 +106,10 @@ def verify_tree(
     taus = [0.0] * len(tree) if tau is None else [float(t) for t in tau.double()]
     if params.greedy:
         return _greedy(logits, tree, taus)
+    if noise is not None:
+        if tau is not None:
+            raise ValueError("the Gumbel-max rule is lossless only: relax (tau) with the rejection-sampling rules")
+        return _coupled(logits, tree, params, noise, start)
     return _sampling(logits, tree, params, generator, taus)
 
 
@@ -120,6 +134,22 @@ def _greedy(logits: torch.Tensor, tree: DraftTree, taus: list[float]) -> TreeVer
             )
         if nxt is None:
             return _verdict(tree, path, best)
+        path.append(nxt)
+        node = nxt
+
+
+def _coupled(logits: torch.Tensor, tree: DraftTree, params: SamplingParams, noise: GumbelNoise, start: int) -> TreeVerdict:
+    """Greedy walk on perturbed scores: a depth's noise is computed only when the walk reaches it."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    vocab = logits.shape[1]
+    path: list[int] = []
+    node = -1
+    while True:
+        t = coupled_token(logits[node + 1], params, noise(start + len(path), vocab))
+        nxt = next((c for c in tree.children_of(node) if tree.tokens[c] == t), None)
+        if nxt is None:
+            return _verdict(tree, path, t)
         path.append(nxt)
         node = nxt
 

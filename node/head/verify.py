@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .sampling import SamplingParams, sample, softmax, warp
+from .sampling import GumbelNoise, SamplingParams, coupled_token, sample, softmax, warp
 
 __all__ = [
     "Verdict",
@@ -79,15 +79,26 @@ def verify_window(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     tau: torch.Tensor | None = None,
+    *,
+    noise: GumbelNoise | None = None,
+    start: int = 0,
 ) -> Verdict:
     """Verify γ drafted tokens against target logits [γ+1, V] (row i predicts draft i).
 
     Greedy: accept while the draft equals argmax of the target row; emit the
     target argmax at the first mismatch, or the bonus argmax of row γ.
-    Sampling (p = warp(target), q = draft_probs, already warped the same way):
-    accept x_i when u_i < min(1, p(x_i)/q(x_i)); on rejection sample from
-    norm(max(0, p − q)); when all are accepted sample the bonus from p[γ].
-    `draft_probs=None` means a deterministic drafter: q is one-hot at x_i.
+
+    Sampling with `noise` (the lossless modes): row i predicts absolute position
+    `start + i`, where the target's token is t_i = argmax(log warp(row i) + G_{start+i}),
+    an exact draw from p that depends on the context and the seed only. Accept x_i
+    iff x_i == t_i; emit t_i at the first mismatch, or t_γ as the bonus. `draft_probs`
+    is not needed: however the drafts were made, the emitted tokens are the t_i.
+
+    Sampling without `noise` (dsd-adaptive's rule; p = warp(target), q = draft_probs,
+    already warped the same way): accept x_i when u_i < min(1, p(x_i)/q(x_i)) with u_i
+    from `generator`; on rejection sample from norm(max(0, p − q)); when all are accepted
+    sample the bonus from p[γ]. `draft_probs=None` means a deterministic drafter: q is
+    one-hot at x_i.
 
     `tau` (adaptive verification, lossy, opt-in; see dsd.node.adaptive) relaxes
     position i when tau[i] > 0: greedy also accepts x_i when
@@ -104,7 +115,30 @@ def verify_window(
 
     if params.greedy:
         return _verify_greedy(target_logits, drafts, taus)
+    if noise is not None:
+        if tau is not None:
+            raise ValueError("the Gumbel-max rule is lossless only: relax (tau) with the rejection-sampling rule")
+        return _verify_coupled(target_logits, drafts, params, noise, start)
     return _verify_sampling(target_logits, drafts, draft_probs, params, generator, taus)
+
+
+def _verify_coupled(
+    target_logits: torch.Tensor, drafts: list[int], params: SamplingParams, noise: GumbelNoise, start: int
+) -> Verdict:
+    """Greedy verification on the perturbed scores: the noise of a row is computed only when it is reached."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    vocab = target_logits.shape[1]
+
+    def target(i: int) -> int:
+        return coupled_token(target_logits[i], params, noise(start + i, vocab))
+
+    for i, x in enumerate(drafts):
+        t = target(i)
+        if x != t:
+            return Verdict(accepted=i, next_token=t, tokens=drafts[:i] + [t])
+    t = target(len(drafts))
+    return Verdict(accepted=len(drafts), next_token=t, tokens=drafts + [t])
 
 
 def _verify_greedy(target_logits: torch.Tensor, drafts: list[int], taus: list[float]) -> Verdict:

@@ -19,7 +19,7 @@ from dsd.node.federated.worker import window_topk
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import HeadEngine
-from dsd.node.head.sampling import SamplingParams, warp
+from dsd.node.head.sampling import SamplingParams, coupled_token, gumbel, warp
 from dsd.protocol import DraftWindow, FrameDecoder, ProtocolError, aggregate, encode, reconstruct
 from dsd.shard_store import Store
 
@@ -165,11 +165,32 @@ def test_engine_with_self_draft_accepts_everything_when_sampling_from_probabilit
     store, _, _, full = whole
     params = SamplingParams(temperature=0.8)
     backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 0.8)
-    drafter = ModelDrafter(full, params, torch.Generator().manual_seed(1))
+    drafter = ModelDrafter(full, params)
     cfg = GenerationConfig(mode="sd", max_new_tokens=24, params=params, gamma=4, seed=2)
     result = trio.run(HeadEngine(backend, drafter, cfg).run, [1, 17, 42, 99])
     assert len(result.tokens) == 24
     assert result.drafted > 0 and result.acceptance_rate > 0.97
+
+
+def test_a_seed_fixes_the_text_over_probability_rows_too(whole) -> None:
+    """Probability rows go through the same Gumbel-max rule on their log: `ar`, `sd` with chains and `dsd` with
+    trees (an unrelated random draft) give, for one seed, the target's own draws from its probabilities."""
+    store, _, _, full = whole
+    params = SamplingParams(temperature=0.8)
+    prompt, n, seed = [1, 17, 42, 99], 16, 5
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            probs = warp(full(torch.tensor([seq])).logits[0, -1].float(), params)  # as a worker sends them
+            seq.append(coupled_token(torch.log(probs), SamplingParams(temperature=1.0), gumbel(seed, len(seq), V)))
+    draft = make_tiny_model("qwen2", seed=9, layers=2)
+    for mode, tree_nodes in (("ar", 0), ("sd", 0), ("dsd", 8)):
+        backend = ProbsBackend(store.load_head(), [store.load_span(0, store.num_layers)], 0.8)
+        drafter = None if mode == "ar" else ModelDrafter(draft, params)
+        cfg = GenerationConfig(mode=mode, max_new_tokens=n, params=params, seed=seed, tree_nodes=tree_nodes)
+        result = trio.run(HeadEngine(backend, drafter, cfg).run, prompt)
+        assert result.tokens == seq[len(prompt):], mode
+        assert (result.tree_windows > 0) == bool(tree_nodes)
 
 
 def test_top_p_applies_to_the_aggregate_after_the_workers_temperature(whole) -> None:

@@ -84,7 +84,7 @@ def first_pairs(models, backend_type: type[ProbsBackend], runs: int) -> list[tup
         pairs = []
         for seed in range(runs):
             backend = backend_type(head, [span], 1.0)
-            drafter = ModelDrafter(draft, T1, torch.Generator().manual_seed(10**6 + seed))
+            drafter = ModelDrafter(draft, T1)  # the engine hands it the generation's noise
             cfg = GenerationConfig(mode="sd", max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=SAMPLING_TREE_NODES)
             result = await HeadEngine(backend, drafter, cfg).run(SAMPLING_PROMPT)
             assert result.tree_windows == 1  # the second window was a tree of the draft's top SAMPLING_TREE_NODES

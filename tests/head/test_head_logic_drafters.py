@@ -18,7 +18,7 @@ from dsd.node.head.drafters import (
 )
 from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
-from dsd.node.head.sampling import SamplingParams, softmax, warp
+from dsd.node.head.sampling import GumbelNoise, SamplingParams, gumbel, softmax, warp
 from dsd.node.head.setup import load_head_setup
 from dsd.node.head.verify import verify_window
 from dsd.shard_store import Store
@@ -127,22 +127,26 @@ def test_drafting_ahead_reuses_the_cache() -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_sampled_drafts_match_a_fresh_drafter_and_warped_probs(kind: str) -> None:
+def test_sampled_drafts_are_gumbel_max_draws_with_the_given_noise(kind: str) -> None:
+    """The draft at position pos is argmax(log q + G_pos): after a rollback, as a fresh drafter with the same
+    noise would draft, one token at a time (step_many) or a window at a time; another seed, other drafts."""
     model = tiny_model(kind, seed=4)
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
-    d = ModelDrafter(model, params, torch.Generator().manual_seed(0))
+    d = ModelDrafter(model, params, GumbelNoise(5))
     ctx = [2, 4, 6, 8, 10]
     d.propose(ctx, 5)
     rolled = ctx[:3] + [33]
-    d.generator = torch.Generator().manual_seed(123)
     got, q = d.propose(rolled, 5)
-    fresh, q_fresh = ModelDrafter(model, params, torch.Generator().manual_seed(123)).propose(rolled, 5)
+    fresh, q_fresh = ModelDrafter(model, params, GumbelNoise(5)).propose(rolled, 5)
     assert got == fresh
     assert torch.allclose(q, q_fresh, atol=1e-5)
     for i in range(5):
         expected = warp(full_logits(model, rolled + got[:i]), params)
         assert torch.allclose(q[i], expected, atol=1e-5)
-        assert float(q[i, got[i]]) > 0
+        assert got[i] == int(torch.argmax(torch.log(expected) + gumbel(5, len(rolled) + i, VOCAB)))
+    assert [tok for tok, _ in d.step_many([rolled + got[:i] for i in range(5)])] == got
+    d.use_noise(GumbelNoise(6))
+    assert d.propose(rolled, 5)[0] != got
 
 
 def test_mismatched_vocabulary_is_refused_with_a_clear_message() -> None:

@@ -1,4 +1,5 @@
-"""Token trees: DraftTree helpers, greedy and lossless sampled tree verification (expansion: test_head_tree_expand)."""
+"""Token trees: DraftTree helpers, greedy and rejection-sampling tree verification (dsd-adaptive's rules at τ = 0; the
+lossless modes' Gumbel-max walk: test_head_logic_coupled; expansion: test_head_tree_expand)."""
 
 from __future__ import annotations
 

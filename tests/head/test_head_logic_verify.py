@@ -1,4 +1,5 @@
-"""Window verification: exact greedy cases, distributional exactness of speculative sampling, stops."""
+"""Window verification: exact greedy cases, distributional exactness of the rejection-sampling rule (dsd-adaptive's;
+the lossless modes' Gumbel-max rule: test_head_logic_coupled), stops."""
 
 from __future__ import annotations
 
