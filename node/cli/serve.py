@@ -7,8 +7,11 @@ from pathlib import Path
 
 from dsd.node.head.modes import MODE_HELP, MODES
 from dsd.node.service.defaults import (
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HOST,
+    DEFAULT_MAX_BODY_MB,
     DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_PER_CLIENT,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PORT,
     DEFAULT_QUEUE,
@@ -47,7 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT}; 0 = any free port, see --ready-file)")
     p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N", help=f"generations running at once (default {DEFAULT_MAX_CONCURRENT}; block peers admit 8 sessions per head by default)")
     p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N", help=f"requests that may wait for a slot; more are refused with 429 (default {DEFAULT_QUEUE})")
-    p.add_argument("--api-key", type=Path, default=None, metavar="FILE", help="require 'Authorization: Bearer KEY' on /v1 with the KEY in FILE (default: no key); the swarm page at / (with its JSON /api/swarm) and /metrics stay public: they show no prompts, texts or keys")
+    p.add_argument("--max-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT, metavar="N", help="requests (running + waiting) one client may hold, a client being its API key when FILE holds several, else its address (default 0: no fixed cap, so a lone user may fill the server; when it is full, a client over its fair share still gives its newest waiting place to a newcomer, and freed slots go to the client running fewest)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, metavar="MB", help=f"largest request body in MiB, answered 413 before it is read when its length says so (default {DEFAULT_MAX_BODY_MB:g}: a 131072-token context is 3 MiB with every character escaped as \\uXXXX at 4 a token, 1 MiB as token ids)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S", help=f"a request body must arrive within S seconds plus one per 64 KiB, else 408 (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--api-key", type=Path, default=None, metavar="FILE", help="require 'Authorization: Bearer KEY' on /v1 with a KEY in FILE, one a line (# comments; default: no key); with several keys each is a client of its own for --max-per-client; the swarm page at / (with its JSON /api/swarm) and /metrics stay public: they show no prompts, texts or keys")
     p.add_argument("--max-context", type=int, default=None, metavar="TOKENS", help="prompt + completion limit (default: the model's positions, at most the peers' default --max-len 4096)")
     p.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, metavar="N", help=f"completion tokens of a request without max_tokens (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--refresh", type=float, default=DEFAULT_REFRESH_S, metavar="S", help=f"survey the swarm every S seconds (default {DEFAULT_REFRESH_S:g}; also when a route fails)")
@@ -66,8 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from dsd.node.head.config import GenerationConfig
+    from dsd.node.service.guards import HttpLimits
     from dsd.node.service.model import HeadOptions
-    from dsd.node.service.serve import ServeConfig, read_api_key, serve_until_signal
+    from dsd.node.service.serve import ServeConfig, read_api_keys, serve_until_signal
     from dsd.shard_store import StoreError
     from dsd.shard_store.devices import resolve_placement
 
@@ -80,8 +87,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.max_concurrent < 1 or args.queue < 0 or not 0 <= args.port <= 65535:
-        return fail("need --max-concurrent >= 1, --queue >= 0 and a --port in 0..65535")
+    if args.max_concurrent < 1 or args.queue < 0 or args.max_per_client < 0 or not 0 <= args.port <= 65535:
+        return fail("need --max-concurrent >= 1, --queue >= 0, --max-per-client >= 0 and a --port in 0..65535")
+    if not args.max_body_mb > 0 or not args.body_timeout > 0:
+        return fail("--max-body-mb and --body-timeout must be > 0")
     if args.max_tokens_default < 1 or (args.max_context is not None and args.max_context < 2):
         return fail("--max-tokens-default must be >= 1 and --max-context >= 2")
     try:  # what every request's generation would refuse, refused once at the start
@@ -90,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     try:
-        api_key = read_api_key(args.api_key) if args.api_key else None
+        api_keys = read_api_keys(args.api_key) if args.api_key else ()
     except (OSError, ValueError) as exc:
         return fail(f"--api-key: {exc}")
     if args.model:  # fetch the head's files (and --blocks' layers) before anything loads
@@ -104,8 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     cfg = ServeConfig(
         bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,
-        queue=args.queue, api_key=api_key, link=link_profile(args), identity=args.identity, listen=args.listen, refresh_s=args.refresh,
-        ready_file=args.ready_file,
+        queue=args.queue, max_per_client=args.max_per_client, api_keys=api_keys, link=link_profile(args),
+        identity=args.identity, listen=args.listen, refresh_s=args.refresh, ready_file=args.ready_file,
+        limits=HttpLimits(max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout),
     )
     try:
         serve_until_signal(cfg)

@@ -26,15 +26,19 @@ from typing import Any
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from dsd.node.head.setup import chat_ids
 from dsd.node.route.record import ring_hops
 
 from .admission import Busy
+from .guards import HttpGuard, HttpLimits, PromptBudget, client_of
 from .openai_wire import (
     SSE_DONE,
+    CompletionRequest,
     WireError,
     call_deltas,
     chunk_body,
@@ -56,23 +60,49 @@ Events = trio.MemoryReceiveChannel[tuple[str, Any]]
 ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 ROUTE_MAX_AGE_S = 2.0  # a request that finds no route surveys again when the last survey is older
-MAX_BODY_BYTES = 8 * 2**20  # far above any context's worth of text; bigger bodies get 413
 
 
 def service_of(request: Request) -> ServiceState:
     return request.app.state.service
 
 
-def check_key(state: ServiceState, request: Request) -> None:
-    """401 unless the request carries the service's key as a bearer token (when it has one)."""
-    if state.api_key is None:
-        return
+def check_key(state: ServiceState, request: Request) -> int | None:
+    """401 unless the request carries one of the service's keys (`build_app`'s `api_keys`, by default
+    `state.api_key`) as a bearer token, when it has any; the index of the key it carries."""
+    keys: tuple[str, ...] = request.app.state.api_keys
+    if not keys:
+        return None
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if not auth:
         raise WireError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+    given = token.strip().encode()
+    found = [i for i, key in enumerate(keys) if secrets.compare_digest(given, key.encode())]
+    if scheme.lower() != "bearer" or not found:
         raise WireError(401, "incorrect API key provided", code="invalid_api_key")
+    return found[0]
+
+
+def client_key(request: Request, key: int | None) -> str:
+    """Whom a request counts against in admission: its key when the service has several, else its address."""
+    several = len(request.app.state.api_keys) > 1
+    return client_of(key if several else None, request.client.host if request.client else None)
+
+
+def check_prompt_size(request: Request, req: CompletionRequest) -> None:
+    """400 when the prompt's messages or characters cannot fit the context: before the tokenizer runs (and the
+    chat template, but to confirm a refusal for characters: it may trim or drop some)."""
+    if isinstance(req.prompt, list):
+        return  # token ids: `plan` counts them without tokenizing
+    texts = [str(m.get("content") or "") for m in req.messages] if req.chat else [req.prompt or ""]
+    tokenizer = service_of(request).head.tokenizer
+
+    def rendered() -> str:
+        return tokenizer.apply_chat_template(list(req.messages), tokenize=False, add_generation_prompt=True)
+
+    excess = request.app.state.prompt_budget.excess(texts, req.chat, rendered)
+    if excess is not None:
+        raise WireError(400, excess[1], code="context_length_exceeded", param=excess[0])
 
 
 def retry_headers(status: int) -> dict[str, str]:
@@ -86,14 +116,8 @@ def error_response(exc: WireError) -> JSONResponse:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request body, refused with 413 once it grows past `MAX_BODY_BYTES`."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise WireError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The request body; `HttpGuard` in front of every route refuses it (413, 408) when too big or too slow."""
+    return await request.body()
 
 
 async def _route_or_503(state: ServiceState) -> None:
@@ -137,13 +161,14 @@ async def list_models(request: Request) -> Response:
 async def _completion(request: Request, chat: bool) -> Any:
     state = service_of(request)
     arrived = trio.current_time()
-    check_key(state, request)
+    key = check_key(state, request)
     req = parse_request(await read_body(request), chat=chat)
     state.head.check_model(req.model)
+    check_prompt_size(request, req)
     plan = state.head.plan(req)
     await _route_or_503(state)
     try:
-        slot = state.admission.reserve()
+        slot = state.admission.reserve(client_key(request, key))
     except Busy as exc:
         raise WireError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded") from None
     prefix = "chatcmpl" if chat else "cmpl"
@@ -296,8 +321,10 @@ class GenerationResponse:
         raise AssertionError("the generation ended without an outcome")
 
 
-def build_app(state: ServiceState, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
-    """The service's ASGI app: the API, `/metrics`, the swarm page (`/`, `/api/swarm`) and `extra_routes`."""
+def build_app(state: ServiceState, extra_routes: Sequence[BaseRoute] = (), *, limits: HttpLimits | None = None,
+              api_keys: Sequence[str] | None = None) -> Starlette:
+    """The service's ASGI app: the API, `/metrics`, the swarm page (`/`, `/api/swarm`) and `extra_routes`, behind
+    `HttpGuard` (`limits`); `/v1` takes any of `api_keys` (default: `state.api_key`, if set)."""
     routes: list[BaseRoute] = [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -321,6 +348,14 @@ def build_app(state: ServiceState, extra_routes: Sequence[BaseRoute] = ()) -> St
         return error_response(WireError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                         code=what))
 
-    app = Starlette(routes=routes, exception_handlers={WireError: wire_error, HTTPException: http_error})
+    def refused(scope: dict[str, Any], status: int) -> None:  # answered by the guard: counted like the rest
+        state.metrics.requests.labels(endpoint=ENDPOINTS.get(scope["path"], "other"), status=str(status)).inc()
+
+    guard = Middleware(HttpGuard, limits=limits, on_refused=refused)
+    app = Starlette(routes=routes, exception_handlers={WireError: wire_error, HTTPException: http_error},
+                    middleware=[guard])
     app.state.service = state
+    app.state.api_keys = tuple(api_keys) if api_keys is not None else (state.api_key,) if state.api_key else ()
+    head = state.head
+    app.state.prompt_budget = PromptBudget.of(head.tokenizer, head.context_limit, lambda m: chat_ids(head.tokenizer, m))
     return app

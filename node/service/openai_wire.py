@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from . import guards
 from .tool_calls import ToolCall, Tools, parse_tools
 from .wire_errors import WireError, bad_param
 
@@ -155,7 +156,7 @@ def _earlier_call(call: Any, where: str) -> dict[str, Any]:
         raise bad_param(where, f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
                         "invalid_type")
     try:
-        args = json.loads(fn["arguments"])
+        args = guards.loads(fn["arguments"])
     except ValueError:
         raise bad_param(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object") from None
     if not isinstance(args, dict):
@@ -259,7 +260,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def parse_request(raw: bytes, *, chat: bool) -> CompletionRequest:
     """Validate a request body; raises `WireError` (400) naming the field at fault."""
     try:
-        body = json.loads(raw)
+        body = guards.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WireError(400, f"could not parse the request body as JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -34,10 +34,12 @@ from .app import build_app
 from .defaults import (
     DEFAULT_HOST,
     DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_PER_CLIENT,
     DEFAULT_PORT,
     DEFAULT_QUEUE,
     DEFAULT_REFRESH_S,
 )
+from .guards import HttpLimits
 from .metrics import ServiceMetrics
 from .model import HeadOptions, ServedModel
 from .runner import ServiceState
@@ -55,7 +57,9 @@ class ServeConfig:
     port: int = DEFAULT_PORT
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     queue: int = DEFAULT_QUEUE
-    api_key: str | None = None
+    max_per_client: int = DEFAULT_MAX_PER_CLIENT  # 0: no fixed cap (the fair share applies when full)
+    api_keys: tuple[str, ...] = ()  # /v1 takes any of them (none: no key); with several, clients are their keys
+    limits: HttpLimits = field(default_factory=HttpLimits)
     link: LinkProfile = field(default_factory=LinkProfile)
     identity: Path | None = None
     listen: list[str] | None = None  # the head's libp2p listen addresses (default loopback)
@@ -65,12 +69,14 @@ class ServeConfig:
     seed: int | None = None
 
 
-def read_api_key(path: Path) -> str:
-    """The key in `path` (its first non-empty line); ValueError when there is none."""
-    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    if not lines:
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """The keys in `path`, one a line (blank lines and lines starting with # skipped); ValueError when there is none.
+    A file of one key is the single-key service it always was."""
+    lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    keys = tuple(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
+    if not keys:
         raise ValueError(f"{path} holds no API key")
-    return lines[0]
+    return keys
 
 
 ExtraRoutes = Callable[[ServiceState], Sequence[BaseRoute]]
@@ -96,19 +102,21 @@ async def run_service(
     # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group
     async with head_node(cfg.bootstrap, cfg.link, identity=cfg.identity, seed=cfg.seed, listen=cfg.listen) as (node, legs):
         async with owned_nursery() as nursery:
-            admission = Admission(cfg.max_concurrent, cfg.queue)
+            admission = Admission(cfg.max_concurrent, cfg.queue, cfg.max_per_client)
             metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting)
             swarm = swarm_watch(node, head.setup, head.local_blocks, refresh_s=cfg.refresh_s,
                                 on_survey=metrics.observe_survey)
             await nursery.start(swarm.run)
             state = ServiceState(head=head, node=node, legs=legs, swarm=swarm, admission=admission, metrics=metrics,
-                                 api_key=cfg.api_key)
-            app = build_app(state, extra_routes(state) if extra_routes else ())
+                                 api_key=cfg.api_keys[0] if cfg.api_keys else None)
+            app = build_app(state, extra_routes(state) if extra_routes else (), limits=cfg.limits,
+                            api_keys=cfg.api_keys)
             async with owned_nursery() as http:  # returns when hypercorn does: after shutdown + graceful_s
                 url = await http.start(functools.partial(serve_http, app, cfg.host, cfg.port,
                                                          shutdown_trigger=shutdown.wait, graceful_s=cfg.graceful_s))
                 info = {"url": url, "model": head.model_id, "peer_id": node.peer_id, "pid": os.getpid(),
-                        "max_concurrent": cfg.max_concurrent, "queue": cfg.queue, "device": head.device,
+                        "max_concurrent": cfg.max_concurrent, "queue": cfg.queue, "max_per_client": cfg.max_per_client,
+                        "max_body_bytes": cfg.limits.max_body_bytes, "device": head.device,
                         "dtype": head.dtype, "store": str(cfg.head.store),
                         "blocks": list(head.local_blocks) if head.local_blocks else None}
                 print(f"dsd-node serve: {head.model_id} on {url}/v1 (head peer {node.peer_id})", flush=True)

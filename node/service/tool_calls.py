@@ -149,7 +149,7 @@ def _as_call(obj: Any, tools: Tools) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict) or set(obj) - {"name", "arguments", "parameters"}:
         return None
@@ -163,7 +163,7 @@ def _calls_in(payload: str, tools: Tools) -> list[ToolCall] | None:
     """The calls one block holds (an object, or a list of them), or None when it is not wholly calls."""
     try:
         value = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's text: anything, nested arbitrarily deep too
         value = _undoubled(payload.strip())
         if value is None:
             return None
@@ -265,7 +265,7 @@ def _undoubled(text: str) -> Any:
         return None
     try:
         value, end = _DECODER.raw_decode(text, 1)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     return value if text[end:].strip().strip("}") == "" else None
 
@@ -278,6 +278,8 @@ def _line_object(text: str, at: int, tools: Tools) -> tuple[str, int, ToolCall |
         value, end = _DECODER.raw_decode(text, at + 1 if doubled else at)
         while doubled and text.startswith("}", end):
             end += 1
+    except RecursionError:
+        return "code", len(text), None
     except json.JSONDecodeError as exc:
         if exc.pos >= len(text) or exc.msg.startswith("Unterminated string") or text[at:] in ("{", "{{"):
             return "maybe", len(text), None
