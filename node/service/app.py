@@ -3,9 +3,11 @@
 The key guards `/v1` only: `/metrics`, the page and its JSON are public and show no prompts,
 texts or keys (`swarm_api`).
 
-Every request is checked in the order a client can fix it: the key (401), the body (400,
-naming the field), the model (404), the context (400), a complete route (503), a place in
-the queue (429). Only then does the generation run, inside the response, next to a task
+Every request is checked before anything costly, in the order a client can fix it: `HttpGuard`
+first (headers 431, the declared and the arriving body size 413, a slow body 408), then the key
+(401), the JSON's shape and fields (400, naming the field), the model (404), messages and
+characters against the context (400, before the template and the tokenizer), the tokens (400),
+a complete route (503), a place in the queue and the client's share (429). Only then does the generation run, inside the response, next to a task
 that listens for the client going away: that cancels the generation, which closes its route
 session on the peers at once. A stream's HTTP status is sent with its first tokens, so a route
 that fails before them still gets a proper error status; a failure after them is sent as an
