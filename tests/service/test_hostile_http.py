@@ -26,20 +26,16 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.models import hf_greedy, save_tiny_model, tiny_tokenizer
+from support.models import hf_greedy, save_tiny_chat_model
 from support.processes import cli_serve, cli_testnet
 from transformers import AutoModelForCausalLM
 
-from dsd.shard_store import Store, convert
+from dsd.shard_store import Store
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
 MODEL = "tiny-qwen2"
 KEYS = {"a": "sk-hostile-a", "b": "sk-hostile-b", "c": "sk-hostile-c"}
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 PROMPT = "def add(a, b):"
 MAX_CONCURRENT, QUEUE, PER_CLIENT, BODY_TIMEOUT = 2, 4, 5, 2.0
 RESULTS: list[dict] = []
@@ -47,13 +43,7 @@ RESULTS: list[dict] = []
 
 @pytest.fixture(scope="module")
 def chat_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile_model")
-    hf = save_tiny_model("qwen2", root / "hf")
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(hf)
-    convert(hf, root / "store", model_id=MODEL)
-    return root
+    return save_tiny_chat_model(tmp_path_factory.mktemp("hostile_model"), MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -21,35 +21,24 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.models import hf_greedy, save_tiny_model, tiny_tokenizer
+from support.models import hf_greedy, save_tiny_chat_model
 from support.processes import cli_serve, cli_testnet
 from transformers import AutoModelForCausalLM
 
 from dsd.node.testnet.processes import PeerProcess, stop_processes, tail
-from dsd.shard_store import Store, convert
+from dsd.shard_store import Store
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 
 MODEL = "tiny-qwen2"
 KEY = "sk-dsd-test-key"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 PROMPT = "def add(a, b):"
 MAX_CONCURRENT, QUEUE = 4, 2
 
 
 @pytest.fixture(scope="module")
 def chat_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen2 (seed 0) with a chat template in its tokenizer: `hf/` and `store/`."""
-    root = tmp_path_factory.mktemp("service_model")
-    hf = save_tiny_model("qwen2", root / "hf")
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(hf)
-    convert(hf, root / "store", model_id=MODEL)
-    return root
+    return save_tiny_chat_model(tmp_path_factory.mktemp("service_model"), MODEL)
 
 
 @pytest.fixture(scope="module")

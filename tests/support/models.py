@@ -97,6 +97,25 @@ def save_tiny_model(family: str, folder: Path, *, with_tokenizer: bool = True, *
     return folder
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_tiny_chat_model(root: Path, model_id: str) -> Path:
+    """The tiny Qwen2 (seed 0) with `CHAT_TEMPLATE` in its tokenizer, as an HF folder `root/hf` and a store
+    `root/store` of `model_id`: what a service test serves."""
+    from dsd.shard_store import convert
+
+    hf = save_tiny_model("qwen2", root / "hf")
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(hf)
+    convert(hf, root / "store", model_id=model_id)
+    return root
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """The reference: `n` greedy tokens of an HF causal LM after `prompt` (no EOS stop)."""
     with torch.no_grad():
