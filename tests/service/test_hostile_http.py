@@ -8,7 +8,8 @@ The cases: JSON nested 100 000 deep (also inside a tool call's arguments), too m
 (declared, chunked, 64 MiB from a client that reads only after sending it all), header floods, the bad inputs
 answered before, dribbled and stalled bodies, slow heads, idle connections, streams opened and abandoned, and
 one client trying to take every place. Each case's status, time and server CPU go to a table (printed; `-s -n0`
-shows it) and to hostile_http.json in pytest's temporary folder.
+shows it) and to hostile_http.json in pytest's temporary folder — and, with DSD_HOSTILE_REPORT=FILE, to FILE with
+the commit and the machine's load (how bench/results/hostile-http-*.json was made, see docs/http_limits.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -427,7 +429,14 @@ def test_after_it_all_memory_is_bounded_no_5xx_and_greedy_is_exact(server: dict,
     memory = (f"server VmRSS {baseline['rss_mib']:.0f} MiB before, {after['rss_mib']:.0f} MiB after "
               f"(peak {after['hwm_mib']:.0f} MiB)")
     report = tmp_path_factory.getbasetemp() / "hostile_http.json"
-    report.write_text(json.dumps({"cases": RESULTS, "before": baseline, "after": after}, indent=2))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    data = {"command": "DSD_HOSTILE_REPORT=FILE python -m pytest tests/service/test_hostile_http.py -n0",
+            "commit": commit, "load_after": os.getloadavg(), "cpus": os.cpu_count(), "cases": RESULTS,
+            "before": baseline, "after": after}
+    report.write_text(json.dumps(data, indent=2))
+    if os.environ.get("DSD_HOSTILE_REPORT"):
+        Path(os.environ["DSD_HOSTILE_REPORT"]).write_text(json.dumps(data, indent=2) + "\n")
     print(f"\n{table}\n{memory}\nwritten to {report}")
     assert not any(s.startswith("5") for s in statuses), table
     assert "unexpected error" not in log and "Traceback" not in log
