@@ -6,7 +6,7 @@ is avoided by the next), the admission limiter, the metrics and the last request
 swarm page shows them). A generation starts on the last surveyed route; if that route fails
 before the first token, the swarm is surveyed again and the generation starts over once (nothing
 was shown yet). Text is handed out by `TextStreamer`: complete characters only and never the
-start of a stop string; the final text leaves the stop string out.
+start of a stop string, nor (with tools) what may be a tool call; the final text leaves the stop string out.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
     yet), and return the end. Raises `WireError`; cancellation (the client went away) ends the generation and
     its route session."""
     head, plan, req = state.head, job.plan, job.req
-    shown = ToolCallFilter(req.tools, plan.prefill)  # holds back where a tool call may begin (passes all without tools)
+    calls = ToolCallFilter(req.tools, plan.prefill)  # holds back where a tool call may begin (passes all without tools)
     async with job.slot:
         job.started = trio.current_time()
         streamer = TextStreamer(head.tokenizer, plan.cfg.stop_strings) if head.tokenizer is not None else None
@@ -200,7 +200,7 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
         def on_tokens(tokens: list[int]) -> None:
             if job.first_token_at is None:
                 job.first_token_at = trio.current_time()
-            emit(shown.push(streamer.push(tokens)) if streamer is not None else "")
+            emit(calls.push(streamer.push(tokens)) if streamer is not None else "")
 
         report = await _generate(state, job, on_tokens)
     if route_record(report).failovers:
@@ -216,7 +216,7 @@ async def run_job(state: ServiceState, job: Job, emit: Callable[[str], None]) ->
     finish = "stop" if ended or len(tokens) < plan.max_tokens else "length"
     answer = plan.prefill + text  # a malformed required call stays text, the server's start of it included
     parsed = parse_output(answer, req.tools)
-    sent = shown.text[: shown.released]
+    sent = calls.text[: calls.released]
     if parsed.calls:
         finish, text = "tool_calls", parsed.content.strip()
         tail = parsed.content[len(sent):].rstrip() if parsed.content.startswith(sent) else ""
