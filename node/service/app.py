@@ -41,7 +41,6 @@ from .guards import HttpGuard, HttpLimits, PromptBudget, client_of
 from .openai_wire import (
     SSE_DONE,
     CompletionRequest,
-    WireError,
     call_deltas,
     chunk_body,
     completion_body,
@@ -52,6 +51,7 @@ from .openai_wire import (
 )
 from .runner import CLIENT_GONE, Finished, Job, ServiceState, no_route_error, record, run_job
 from .swarm_api import page_routes
+from .wire_errors import WireError, retry_headers
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,6 @@ def check_prompt_size(request: Request, req: CompletionRequest) -> None:
     excess = request.app.state.prompt_budget.excess(texts, req.chat, rendered)
     if excess is not None:
         raise WireError(400, excess[1], code="context_length_exceeded", param=excess[0])
-
-
-def retry_headers(status: int) -> dict[str, str]:
-    """Client errors other than 429 tell the `openai` client that retrying will not help."""
-    return {"x-should-retry": "false"} if 400 <= status < 500 and status != 429 else {}
 
 
 def error_response(exc: WireError) -> JSONResponse:

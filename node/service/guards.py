@@ -26,6 +26,7 @@ import trio
 from starlette.requests import ClientDisconnect
 
 from .defaults import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_MB
+from .wire_errors import WireError, retry_headers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class GuardError(ValueError):
 
     def body(self) -> dict[str, Any]:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param}}
+        return WireError(self.status, self.message, type=kind, code=self.code, param=self.param).body()
 
 
 class HeadersTooLarge(GuardError):
@@ -332,8 +333,7 @@ class _Exchange:
         # draining a body it would not finish anyway helps no client: then the connection just closes
         drain = isinstance(exc, BodyTooLarge) and not self.body_done and (self.declared or 0) <= self.limits.drain_bytes
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if exc.status < 500 and exc.status not in (408, 429):
-            headers.append((b"x-should-retry", b"false"))  # as `retry_headers`: retrying the same will not help
+        headers += [(k.encode(), v.encode()) for k, v in retry_headers(exc.status).items()]
         if not self.body_done:
             headers.append((b"connection", b"close"))
         try:

@@ -24,3 +24,9 @@ class WireError(Exception):
 def bad_param(param: str, message: str, code: str = "invalid_value") -> WireError:
     """A 400 naming the field at fault."""
     return WireError(400, message, code=code, param=param)
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """Client errors but a timeout (408) or a full server (429) tell the `openai` client that retrying will not
+    help."""
+    return {"x-should-retry": "false"} if 400 <= status < 500 and status not in (408, 429) else {}
