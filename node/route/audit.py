@@ -23,7 +23,6 @@ import numpy as np
 import trio
 
 from dsd.discovery.host import P2PNode
-from dsd.discovery.survey import SwarmView
 from dsd.discovery.swarm import SwarmWatch
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.backend import BackendError
@@ -31,7 +30,13 @@ from dsd.protocol import Hop, WireFormat
 from dsd.protocol.route_state import short
 from dsd.shard_store import HeadModule, SpanModule
 
-from .audit_rules import DEFAULT_AUDIT_RATE, DEFAULT_AUDIT_TOLERANCE, Comparison, common_prefix
+from .audit_rules import (
+    DEFAULT_AUDIT_RATE,
+    DEFAULT_AUDIT_TOLERANCE,
+    Comparison,
+    common_prefix,
+    replicas_announced,
+)
 from .blame import Prober, Verdict, locate_liar, run_rows
 from .ends import rows_into_route
 from .errors import RouteError
@@ -267,7 +272,9 @@ class Auditor:
             self.ledger.skip(self._no_replica[1])
             return None
         view = await self.swarm.plan(frozenset(audited))
-        if view.plan is None and self._replicas_announced(view, audited):
+        blocks = self.swarm.blocks or (0, self.swarm.num_layers)
+        if view.plan is None and replicas_announced(view.records, audited | self.swarm.avoided(), blocks,
+                                                    self.swarm.num_layers):
             view = await self.swarm.plan(frozenset(audited), wait_s=PLAN_WAIT_S)  # their probes may lag
         if view.plan is None:
             why = f"no replica route disjoint from the audited one: {view.error}"
@@ -282,13 +289,6 @@ class Auditor:
         self._session, self._held = session, []
         log.info("audits run on %s", [f"{short(h.peer_id)} {h.start}:{h.end}" for h in session.hops])
         return session
-
-    def _replicas_announced(self, view: SwarmView, audited: set[str]) -> bool:
-        """Do the records announce peers besides the audited route's that cover every layer to route? Only then is
-        a replica route worth waiting for; a swarm with one peer per span is told at once that there is none."""
-        others = [r for r in view.records if r.peer_id not in audited | self.swarm.avoided()]
-        first, last = self.swarm.blocks or (0, self.swarm.num_layers)
-        return all(SwarmView(others).coverage(self.swarm.num_layers)[first:last])
 
     async def _close_replica(self) -> None:
         session, self._session = self._session, None

@@ -130,3 +130,14 @@ def segments(route: Sequence[Hop], replica: Sequence[Hop]) -> list[Segment]:
         return next(h for h in hops if h.start <= a < h.end)
 
     return [Segment(a, b, serving(route, a), serving(replica, a)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def replicas_announced(records: Sequence[Any], avoid: set[str], blocks: tuple[int, int], num_layers: int) -> bool:
+    """Do block records of peers outside `avoid` cover every layer of `blocks`? Only then is a replica route worth
+    waiting for (records and probes can lag); a swarm with one peer per span is told at once that there is none."""
+    covered = [False] * num_layers
+    for r in records:
+        if r.role == "block" and r.peer_id not in avoid:
+            for layer in range(max(0, r.start), min(num_layers, r.end)):
+                covered[layer] = True
+    return all(covered[blocks[0] : blocks[1]])

@@ -8,7 +8,14 @@ import pytest
 
 from dsd.node.head.report import GenerationResult, TimeBreakdown
 from dsd.node.head.streaming import RepairGuard
-from dsd.node.route.audit_rules import Comparison, HeldTokens, common_prefix, row_gaps, segments
+from dsd.node.route.audit_rules import (
+    Comparison,
+    HeldTokens,
+    common_prefix,
+    replicas_announced,
+    row_gaps,
+    segments,
+)
 from dsd.protocol import Hop
 
 
@@ -91,3 +98,20 @@ def test_a_repaired_result_joins_the_kept_tokens_and_adds_every_attempts_work() 
     assert joined.tokens == [1, 2, 3, 4, 5]
     assert (joined.elapsed_s, joined.rounds, joined.drafted, joined.accepted) == (3.0, 5, 10, 3)
     assert joined.accepted_per_round == [1, 0, 1, 1, 0] and joined.times.waiting == 1.5
+
+
+def test_a_replica_route_is_waited_for_only_when_records_announce_one() -> None:
+    """The auditor waits for a disjoint route only when peers outside the audited route cover every layer; a swarm
+    with one peer per span is told at once (it used to wait 5 s on every audited request)."""
+    from dsd.discovery.records import PeerRecord
+
+    def rec(peer: str, start: int, end: int, role: str = "block") -> PeerRecord:
+        return PeerRecord(peer, (), "m", start, end, role=role)
+
+    one_per_span = [rec("a", 0, 3), rec("b", 3, 5)]
+    assert not replicas_announced(one_per_span, {"a", "b"}, (0, 5), 5)
+    replicated = [*one_per_span, rec("a2", 0, 3), rec("b2", 3, 5)]
+    assert replicas_announced(replicated, {"a", "b"}, (0, 5), 5)
+    assert not replicas_announced(replicated, {"a", "b", "b2"}, (0, 5), 5)  # the banned or blacklisted do not count
+    assert replicas_announced(replicated, {"a", "b", "b2"}, (0, 3), 5)  # the head serves layers 3:5 itself
+    assert not replicas_announced([*one_per_span, PeerRecord("w", (), "m", 0, 5, role="federated", vocab_size=300)], {"a", "b"}, (0, 5), 5)
