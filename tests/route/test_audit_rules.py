@@ -114,4 +114,4 @@ def test_a_replica_route_is_waited_for_only_when_records_announce_one() -> None:
     assert replicas_announced(replicated, {"a", "b"}, (0, 5), 5)
     assert not replicas_announced(replicated, {"a", "b", "b2"}, (0, 5), 5)  # the banned or blacklisted do not count
     assert replicas_announced(replicated, {"a", "b", "b2"}, (0, 3), 5)  # the head serves layers 3:5 itself
-    assert not replicas_announced([*one_per_span, PeerRecord("w", (), "m", 0, 5, role="federated", vocab_size=300)], {"a", "b"}, (0, 5), 5)
+    assert not replicas_announced([*one_per_span, PeerRecord("w", (), "m", 0, 5, role="federated", vocab_size=300, topk_cap=8)], {"a", "b"}, (0, 5), 5)
