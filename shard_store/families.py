@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # transformers is imported lazily: it is slow to import and t
 
 @dataclass(frozen=True)
 class FamilyAdapter:
-    """Where a family's decoder layer, RMSNorm and rotary classes live and how its HF keys are named."""
+    """Where a family's decoder layer, RMSNorm and rotary classes live, how its HF keys are named, and the
+    quirks that live outside the decoder layer (the head's ends, masks, rotary per attention kind)."""
 
     family: str
     module: str  # transformers.models.<x>.modeling_<x>
@@ -32,6 +33,8 @@ class FamilyAdapter:
     norm_key: str = "model.norm.weight"
     lm_head_key: str = "lm_head.weight"
     layer_types: tuple[str, ...] = ("full_attention",)
+    scaled_embedding: bool = False  # Gemma: embeddings are multiplied by sqrt(hidden_size) (in the weights' dtype)
+    rope_per_layer_type: bool = False  # Gemma 3: sliding layers rotate with their own (local) rope base
 
     def _cls(self, name: str) -> type[nn.Module]:
         return getattr(importlib.import_module(self.module), name)
@@ -49,6 +52,48 @@ class FamilyAdapter:
         with torch.device("cpu"):
             return self._cls(self.rotary)(config=config)
 
+    def rotate(
+        self, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) for each attention kind in `kinds`: one table, or one per kind (Gemma 3's local base)."""
+        if self.rope_per_layer_type:
+            return {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+        shared = rotary(hidden, position_ids)
+        return dict.fromkeys(kinds, shared)
+
+    def attn_implementation(self, config: PretrainedConfig | dict[str, Any]) -> str:
+        """The attention kernel: eager where attention logits are soft-capped (sdpa cannot), else sdpa."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        return "eager" if get("attn_logit_softcapping") else "sdpa"
+
+    def layer_kinds(self, config: PretrainedConfig) -> list[str]:
+        """Each layer's attention kind, as the family's own model masks it: `config.layer_types` where the
+        config has them, else every layer sliding when `sliding_window` is set (Mistral, Phi-3, Mixtral,
+        Qwen3-MoE mask all layers alike), else every layer full."""
+        n = int(config.num_hidden_layers)
+        kinds = getattr(config, "layer_types", None)
+        if kinds:
+            return list(kinds)[:n]
+        return ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * n
+
+    def embed_scale(self, config: PretrainedConfig) -> float | None:
+        """What the embedding output is multiplied by (Gemma's sqrt(hidden_size)), or None."""
+        return float(config.hidden_size) ** 0.5 if self.scaled_embedding else None
+
+    @staticmethod
+    def logit_softcap(config: PretrainedConfig) -> float | None:
+        """The final logits' soft cap c (logits = c * tanh(logits / c), Gemma 2), or None."""
+        cap = getattr(config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    def check_config(self, config: PretrainedConfig) -> None:
+        """Reject configs this loader cannot run exactly: unknown attention kinds, bidirectional attention."""
+        for i, kind in enumerate(self.layer_kinds(config)):
+            if kind not in self.layer_types:
+                raise StoreError(f"{self.family}: layer {i} has unsupported attention type {kind!r}")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise StoreError(f"{self.family}: bidirectional attention (an encoder) cannot generate token by token")
+
     def split_key(self, key: str) -> tuple[str, int | None, str]:
         """Classify an HF state-dict key: ("layer", index, local key) / ("embed"|"norm"|"lm_head", None, key)."""
         if key.startswith(self.layer_prefix):
@@ -64,29 +109,36 @@ class FamilyAdapter:
             return "lm_head", None, key
         raise StoreError(f"{self.family}: unexpected weight {key!r} (not a layer, embedding, norm or lm_head)")
 
-    def check_layer_types(self, config: PretrainedConfig) -> None:
-        """Reject configs whose attention layer types this loader cannot mask correctly."""
-        for i, kind in enumerate(getattr(config, "layer_types", None) or []):
-            if kind not in self.layer_types:
-                raise StoreError(f"{self.family}: layer {i} has unsupported attention type {kind!r}")
 
+def _family(family: str, prefix: str, package: str | None = None, **quirks: Any) -> FamilyAdapter:
+    """An adapter whose classes follow transformers' naming (<Prefix>DecoderLayer, <Prefix>RMSNorm,
+    <Prefix>RotaryEmbedding in transformers.models.<package>.modeling_<package>)."""
+    package = package or family
+    return FamilyAdapter(
+        family=family,
+        module=f"transformers.models.{package}.modeling_{package}",
+        decoder_layer=f"{prefix}DecoderLayer",
+        norm=f"{prefix}RMSNorm",
+        rotary=f"{prefix}RotaryEmbedding",
+        **quirks,
+    )
+
+
+_BOTH = ("full_attention", "sliding_attention")
 
 FAMILIES: dict[str, FamilyAdapter] = {
-    "llama": FamilyAdapter(
-        family="llama",
-        module="transformers.models.llama.modeling_llama",
-        decoder_layer="LlamaDecoderLayer",
-        norm="LlamaRMSNorm",
-        rotary="LlamaRotaryEmbedding",
+    "llama": _family("llama", "Llama"),  # Llama 3's rope scaling (rope_type llama3) lives in its rotary class
+    "qwen2": _family("qwen2", "Qwen2", layer_types=_BOTH),
+    "mistral": _family("mistral", "Mistral", layer_types=_BOTH),
+    "qwen3": _family("qwen3", "Qwen3", layer_types=_BOTH),
+    "gemma2": _family("gemma2", "Gemma2", layer_types=_BOTH, scaled_embedding=True),
+    "gemma3_text": _family(
+        "gemma3_text", "Gemma3", package="gemma3", layer_types=_BOTH,
+        scaled_embedding=True, rope_per_layer_type=True,
     ),
-    "qwen2": FamilyAdapter(
-        family="qwen2",
-        module="transformers.models.qwen2.modeling_qwen2",
-        decoder_layer="Qwen2DecoderLayer",
-        norm="Qwen2RMSNorm",
-        rotary="Qwen2RotaryEmbedding",
-        layer_types=("full_attention", "sliding_attention"),
-    ),
+    "phi3": _family("phi3", "Phi3", layer_types=_BOTH),
+    "mixtral": _family("mixtral", "Mixtral", layer_types=_BOTH),
+    "qwen3_moe": _family("qwen3_moe", "Qwen3Moe", layer_types=_BOTH),
 }
 
 
@@ -100,12 +152,14 @@ def adapter_for(family: str) -> FamilyAdapter:
         ) from None
 
 
-def config_from_dict(data: dict[str, Any], attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """Rebuild a transformers config from its stored dict, with the attention kernel set."""
+def config_from_dict(data: dict[str, Any], attn_implementation: str | None = None) -> PretrainedConfig:
+    """Rebuild a transformers config from its stored dict, with the attention kernel set (default: the
+    family's, see FamilyAdapter.attn_implementation)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = data.get("model_type")
-    adapter_for(str(model_type))
+    adapter = adapter_for(str(model_type))
+    attn_implementation = attn_implementation or adapter.attn_implementation(data)
     try:
         config = CONFIG_MAPPING[model_type].from_dict(dict(data))
     except Exception as exc:  # transformers raises many kinds on a bad config

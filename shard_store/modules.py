@@ -31,12 +31,15 @@ class HeadModule(nn.Module):
         norm: nn.Module,
         lm_head: nn.Linear,
         config: PretrainedConfig,
+        adapter: FamilyAdapter,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.norm = norm
         self.lm_head = lm_head
         self.config = config
+        self.embed_scale = adapter.embed_scale(config)
+        self.logit_softcap = adapter.logit_softcap(config)
         self.vocab_size = int(embed_tokens.num_embeddings)
         self.hidden_size = int(embed_tokens.embedding_dim)
         self.eval()
@@ -62,15 +65,21 @@ class HeadModule(nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise StoreError(f"embed: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.vocab_size})")
-        return self.embed_tokens(input_ids.to(device=self.device, dtype=torch.long))
+        hidden = self.embed_tokens(input_ids.to(device=self.device, dtype=torch.long))
+        if self.embed_scale is not None:  # as transformers does it: the scale rounded to the weights' dtype first
+            hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
+        return hidden
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [b, t, h] from the last span (any device) -> logits [b, t, V] on the head's device
-        (final norm, then lm_head)."""
+        (final norm, lm_head, then the family's soft cap if it has one)."""
         if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
             raise StoreError(f"logits: hidden must be [batch, tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
-        return self.lm_head(self.norm(hidden.to(device=self.device, dtype=self.dtype)))
+        logits = self.lm_head(self.norm(hidden.to(device=self.device, dtype=self.dtype)))
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
 
 class SpanModule(nn.Module):
@@ -94,8 +103,7 @@ class SpanModule(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = adapter.new_rotary(config).to(next(self.layers.parameters()).device)
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self._layer_types = [layer_types[i] for i in range(start, end)]
+        self._layer_types = adapter.layer_kinds(config)[start:end]
         self._sliding_window = getattr(config, "sliding_window", None)
         self.eval()
 
@@ -208,7 +216,7 @@ class SpanModule(nn.Module):
         else:
             position_ids = tree_position_ids(start_pos, tree, device=hidden.device).expand(b, t)
             masks = {kind: self._tree_mask(kind, start_pos, tree, hidden) for kind in set(self._layer_types)}
-        position_embeddings = self.rotary_emb(hidden, position_ids)
+        rotations = self.adapter.rotate(self.rotary_emb, hidden, position_ids, set(self._layer_types))
         cache.begin(t, tree)
         try:
             for layer, kind in zip(self.layers, self._layer_types, strict=True):
@@ -218,7 +226,7 @@ class SpanModule(nn.Module):
                     position_ids=position_ids,
                     cache=cache,
                     use_cache=True,
-                    position_embeddings=position_embeddings,
+                    position_embeddings=rotations[kind],
                 )
         except BaseException:
             cache.abort()

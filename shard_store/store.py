@@ -56,10 +56,10 @@ class Store:
         """Number of decoder layers of the stored model."""
         return self.manifest.num_layers
 
-    def config(self, attn_implementation: str = "sdpa") -> PretrainedConfig:
-        """A fresh transformers config of the stored model."""
+    def config(self, attn_implementation: str | None = None) -> PretrainedConfig:
+        """A fresh transformers config of the stored model (attention kernel: the family's unless given)."""
         config = config_from_dict(self.manifest.config, attn_implementation)
-        self.adapter.check_layer_types(config)
+        self.adapter.check_config(config)
         return config
 
     # ---- integrity -------------------------------------------------------------------------
@@ -157,7 +157,7 @@ class Store:
             lm_head.weight = embed.weight
         else:
             self._assign(lm_head, {"weight": head_t["lm_head.weight"]}, HEAD_FILE)
-        return HeadModule(embed, norm, lm_head, config)
+        return HeadModule(embed, norm, lm_head, config, self.adapter)
 
     def _layer(self, config: PretrainedConfig, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """Build decoder layer `index` on the meta device and assign its stored weights (cast, moved)."""
@@ -241,14 +241,26 @@ class Store:
         }
 
 
-def _rebuild_meta_buffers(model: nn.Module, config: PretrainedConfig) -> None:
-    """Recreate modules whose non-persistent buffers (rotary inv_freq) are still on the meta device."""
+def _rebuild_meta_buffers(model: PreTrainedModel, config: PretrainedConfig) -> None:
+    """Recreate the non-persistent buffers still on the meta device: rotary modules are rebuilt from the
+    config (inv_freq on CPU in float32); any other (Gemma's embedding scale) is materialised on the CPU
+    and refilled by the model's own weight initialisation, which is what sets it in transformers (the
+    module's loaded tensors are marked initialised first, so it leaves them alone)."""
     for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
+        meta = [(key, buf) for key, buf in module.named_buffers(recurse=False) if buf.is_meta]
+        if not meta:
+            continue
+        if "RotaryEmbedding" in type(module).__name__:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             with torch.device("cpu"):
                 setattr(parent, attr, type(module)(config=config))
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor._is_hf_initialized = True  # loaded: transformers' initialisers leave such tensors alone
+        for key, buf in meta:
+            module.register_buffer(key, torch.empty(buf.shape, dtype=buf.dtype), persistent=False)
+        model._init_weights(module)
     leftovers = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftovers:
         raise StoreError(f"model still has unloaded tensors after loading: {leftovers[:5]}")

@@ -109,7 +109,7 @@ def write_store(
     target = torch_dtype(dtype)
     family = str(getattr(model.config, "model_type", ""))
     adapter = adapter_for(family)
-    adapter.check_layer_types(model.config)
+    adapter.check_config(model.config)
     num_layers = int(model.config.num_hidden_layers)
     out = Path(out)
     _check_out(out, overwrite)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dsd.shard_store.families import FAMILIES, FamilyAdapter, adapter_for
+
 
 class DraftCache:
     """A causal LM plus its KV cache organised as a token tree (CPU or any device the model is on)."""
@@ -123,18 +125,21 @@ class DraftCache:
             depths[i] = 0 if c < 0 else (self.depths[c] + 1 if c < past else depths[c - past] + 1)
         kwargs: dict[str, Any] = {}
         if not self._continues_chain(cols):
-            kwargs["attention_mask"] = self._mask(cols, past)
+            kwargs["attention_mask"] = self._masks(cols, past, depths)
             kwargs["position_ids"] = torch.tensor([depths], dtype=torch.long, device=self._device)
         if self.cache is None:
             from transformers import DynamicCache
 
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = DynamicCache()  # full layers for every kind: a sliding layer's cache could not be cropped back
         decoder = getattr(self.model, "model", None)
         try:
             ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
             if decoder is not None:
                 hidden = decoder(input_ids=ids, use_cache=True, **kwargs, **{self._cache_kwarg: self.cache})[0]
                 logits = self.model.get_output_embeddings()(hidden[0, rows])
+                cap = FamilyAdapter.logit_softcap(self.model.config)
+                if cap is not None:  # what the model's own forward does after its lm_head (Gemma 2)
+                    logits = torch.tanh(logits / cap) * cap
             else:
                 logits = self.model(input_ids=ids, use_cache=True, **kwargs, **{self._cache_kwarg: self.cache}).logits[0, rows]
         except BaseException:
@@ -155,8 +160,10 @@ class DraftCache:
             return False
         return all(c == past + i - 1 for i, c in enumerate(cols))
 
-    def _mask(self, cols: list[int], past: int) -> torch.Tensor:
-        """Additive 4D mask: each new node sees its ancestors (held or new) and itself."""
+    def _masks(self, cols: list[int], past: int, depths: list[int]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive 4D mask: each new node sees its ancestors (held or new) and itself; a sliding layer also
+        only the keys less than its window deep above it. One mask when every layer is of one kind, else one
+        per kind (what transformers takes for models with `layer_types`)."""
         n = len(cols)
         visible = torch.zeros(n, past + n, dtype=torch.bool)
         for i, c in enumerate(cols):
@@ -168,9 +175,19 @@ class DraftCache:
                 else:
                     visible[i, self._ancestors(c)] = True
                     break
+        config = self.model.config
+        kinds = set(adapter_for(str(config.model_type)).layer_kinds(config)) if config.model_type in FAMILIES else set()
+        masks = {kind: visible for kind in kinds or {"full_attention"}}
+        if "sliding_attention" in masks:
+            q = torch.tensor(depths)
+            k = torch.cat([torch.tensor(self.depths, dtype=torch.long), q])
+            masks["sliding_attention"] = visible & (k[None, :] > q[:, None] - int(config.sliding_window))
         dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self._device)
-        return mask.masked_fill_(~visible.to(self._device), torch.finfo(dtype).min)
+        out = {}
+        for kind, allowed in masks.items():
+            mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self._device)
+            out[kind] = mask.masked_fill_(~allowed.to(self._device), torch.finfo(dtype).min)
+        return next(iter(out.values())) if len(out) == 1 else out
 
     def _ancestors(self, col: int) -> list[int]:
         """`col` and every column above it."""

@@ -296,7 +296,7 @@ def test_tree_respects_sliding_window_layers() -> None:
     config = model.config
     assert "sliding_attention" in config.layer_types
     spans = [SpanModule(adapter_for("qwen2"), config, s, e, list(model.model.layers)[s:e]) for s, e in SPANS]
-    head = HeadModule(model.model.embed_tokens, model.model.norm, model.lm_head, config)
+    head = HeadModule(model.model.embed_tokens, model.model.norm, model.lm_head, config, adapter_for("qwen2"))
     pipe = Pipeline(head, spans)
     gen = torch.Generator().manual_seed(3)
     pipe.step(torch.randint(0, 300, (1, PREFIX), generator=gen))

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 causal LMs built in the test (no downloads), a tiny byte-level BPE tokenizer, and
+"""Tiny random causal LMs of every supported family built in the test (no downloads), a tiny byte-level BPE tokenizer, and
 the references: transformers' greedy output, a noisy copy of a model (a draft that often disagrees)."""
 
 from __future__ import annotations
@@ -29,12 +29,63 @@ _CORPUS = [
 ] * 20
 
 
-def tiny_config(family: str, *, layers: int = TINY_LAYERS, tie: bool | None = None, **overrides: object):
-    """A tiny config of `family` ("llama" or "qwen2"): GQA (4 heads, 2 KV), rope_theta 12345,
-    init range 0.2 so logits are O(1). Qwen2 has attention bias and tied embeddings by default
-    (like Qwen2.5-Coder), Llama untied."""
-    from transformers import LlamaConfig, Qwen2Config
+# Each family's tiny config turns its quirks on, so a family's test exercises them: Llama 3 rope scaling
+# (its low-frequency band bent at original_max_position_embeddings 16) and tied embeddings; Mistral's sliding
+# window on every layer (6 < a test's prompt + generation); Qwen3's q/k norms with a head_dim that is not
+# hidden/heads; Gemma 2's embedding scale, attention and final-logit soft caps, alternating sliding/global
+# layers and pre/post norms; Gemma 3's sliding/global pattern with a local rope base; Phi-3's fused qkv and
+# gate_up with partial rotary; Mixtral's and Qwen3-MoE's experts (4, two per token; Qwen3-MoE with a dense
+# first layer).
+FAMILY_QUIRKS: dict[str, dict[str, object]] = {
+    "llama": {"tie_word_embeddings": False},
+    "llama3": {
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 12345.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        },
+    },
+    "qwen2": {"tie_word_embeddings": True},
+    "mistral": {"tie_word_embeddings": False, "sliding_window": 6},
+    "mistral-full": {"tie_word_embeddings": False, "sliding_window": None},
+    "qwen3": {"tie_word_embeddings": True, "head_dim": 24},
+    "gemma2": {
+        "initializer_range": 0.02,  # embeddings are scaled by sqrt(hidden) = 8: 0.2 makes every output one token
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh",
+    },
+    "gemma3_text": {
+        "initializer_range": 0.02,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 12345.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    },
+    "phi3": {"tie_word_embeddings": False, "partial_rotary_factor": 0.5, "pad_token_id": 0},
+    "mixtral": {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "mlp_only_layers": [0], "norm_topk_prob": True,
+    },
+}
+"""Tiny-config overrides per test family name; "llama3" and "mistral-full" are variants of llama and mistral."""
 
+
+def family_of(name: str) -> str:
+    """The model_type of a test family name ("llama3" -> "llama", "mistral-full" -> "mistral")."""
+    return {"llama3": "llama", "mistral-full": "mistral"}.get(name, name)
+
+
+def tiny_config(family: str, *, layers: int = TINY_LAYERS, tie: bool | None = None, **overrides: object):
+    """A tiny config of a test family (see FAMILY_QUIRKS) from transformers' AutoConfig: GQA (4 heads, 2 KV),
+    rope_theta 12345, init range 0.2 so logits are O(1). Qwen2 has attention bias and tied embeddings by
+    default (like Qwen2.5-Coder), Llama untied."""
+    from transformers import AutoConfig
+
+    if family not in FAMILY_QUIRKS:
+        raise ValueError(f"no tiny config for family {family!r}")
     common: dict[str, object] = dict(
         hidden_size=TINY_HIDDEN,
         intermediate_size=128,
@@ -49,15 +100,15 @@ def tiny_config(family: str, *, layers: int = TINY_LAYERS, tie: bool | None = No
         eos_token_id=2,
         pad_token_id=0,
     )
-    if family == "llama":
-        common["tie_word_embeddings"] = False if tie is None else tie
-        common.update(overrides)
-        return LlamaConfig(**common)
-    if family == "qwen2":
-        common["tie_word_embeddings"] = True if tie is None else tie
-        common.update(overrides)
-        return Qwen2Config(**common)
-    raise ValueError(f"no tiny config for family {family!r}")
+    common.update(FAMILY_QUIRKS[family])
+    if "rope_parameters" in common:
+        common.pop("rope_theta")
+    if tie is not None:
+        common["tie_word_embeddings"] = tie
+    if isinstance(common.get("layer_types"), list):
+        common["layer_types"] = list(common["layer_types"])[:layers]  # type: ignore[index]
+    common.update(overrides)
+    return AutoConfig.for_model(family_of(family), **common)
 
 
 def tiny_tokenizer():
@@ -79,12 +130,15 @@ def tiny_tokenizer():
 
 
 def make_tiny_model(family: str, *, seed: int = TINY_SEED, layers: int = TINY_LAYERS, **overrides: object):
-    """A tiny random causal LM of `family` in eval mode, deterministic for a given seed."""
+    """A tiny random causal LM of a test family in eval mode, deterministic for a given seed, with the
+    attention kernel the store picks for the family (eager where logits are soft-capped)."""
     from transformers import AutoModelForCausalLM
+
+    from dsd.shard_store.families import adapter_for
 
     torch.manual_seed(seed)
     config = tiny_config(family, layers=layers, **overrides)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = adapter_for(config.model_type).attn_implementation(config)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
