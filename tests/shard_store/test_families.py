@@ -99,6 +99,17 @@ def test_store_verifies_and_records_the_family(family: Family) -> None:
     assert store.manifest.tied_embeddings is bool(family.model.config.tie_word_embeddings)
 
 
+def test_a_sharded_checkpoint_converts_to_the_same_store(family: Family, tmp_path: Path) -> None:
+    """save_pretrained in shards of 200 KB writes the checkpoint format (Mixtral's and Qwen3-MoE's experts one
+    tensor each, as published checkpoints hold them); converting it gives the same files as the single file."""
+    family.model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    sharded = convert(tmp_path / "hf", tmp_path / "store", model_id=f"tiny-{family.name}").files
+    single = Store(family.store).manifest.files
+    assert {k: v["sha256"] for k, v in sharded.items()} == {k: v["sha256"] for k, v in single.items() if k in sharded}
+    assert set(single) - set(sharded) == {f for f in single if f.startswith("tokenizer/")}
+
+
 def test_split_windows_and_truncation_equal_the_whole_model(family: Family) -> None:
     """Prefill, then windows of 5, 1 and 6 tokens; then back to 12 positions and a different continuation."""
     store = Store(family.store)
