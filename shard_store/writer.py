@@ -22,6 +22,7 @@ from .dtypes import torch_dtype
 from .errors import StoreError
 from .families import adapter_for
 from .files import atomic_write, sha256_file
+from .gguf_source import load_gguf_model
 from .manifest import (
     EMBED_FILE,
     FORMAT_VERSION,
@@ -249,10 +250,13 @@ def convert(
     _check_out(Path(out), overwrite)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     started = time.perf_counter()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise StoreError(f"cannot load model from {src}: {exc}") from exc
+    if gguf_file:  # refused before the slow load when transformers would not reproduce the file's model
+        model = load_gguf_model(folder, gguf_file, target)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=target)
+        except (OSError, ValueError, KeyError) as exc:
+            raise StoreError(f"cannot load model from {src}: {exc}") from exc
     model.eval()
     tokenizer = None
     wants_tokenizer = _gguf_has_tokenizer(folder / gguf_file) if gguf_file else _has_tokenizer(folder)
