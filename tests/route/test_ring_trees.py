@@ -12,6 +12,7 @@ import pytest
 import torch
 import trio
 from support.processes import daemon
+from support.trees import path_to
 
 from dsd.node.peer.host import head_node
 from dsd.node.route.session import open_route_session
@@ -79,13 +80,6 @@ class Whole:
         return torch.softmax(logits.double(), -1).numpy()
 
 
-def path_to(parents: list[int], node: int | None) -> list[int]:
-    """Node indices from the root down to `node` (none for None)."""
-    path: list[int] = []
-    while node is not None and node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def dense(reply: TopKResult) -> np.ndarray:

@@ -16,6 +16,7 @@ import torch
 import trio
 from support.frames import raw_exchange, raw_frame, read_frames
 from support.processes import DaemonSwarm, daemon
+from support.trees import path_to
 from transformers import AutoModelForCausalLM
 
 from dsd.node.peer.host import head_node
@@ -181,13 +182,6 @@ def _log_tails(log: str) -> list[str]:
     return [line.split(": ", 1)[1] for line in Path(log).read_text().splitlines() if ": " in line]
 
 
-def path_to(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root down to `node`."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def test_hostile_trees_are_refused_before_compute(peer: dict, tiny_qwen2_root: Path) -> None:

@@ -22,6 +22,7 @@ from support.models import (
     noisy_copy,
     tiny_tokenizer,
 )
+from support.trees import leaves, path_to
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.draft_cache import DraftCache
@@ -127,12 +128,6 @@ def test_split_windows_and_truncation_equal_the_whole_model(family: Family) -> N
     assert (got - _whole(family.model, other)[:, 12:]).abs().max().item() <= FP32_TOL
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
 
 
 def test_tree_window_equals_its_paths_as_chains(family: Family) -> None:
@@ -146,8 +141,8 @@ def test_tree_window_equals_its_paths_as_chains(family: Family) -> None:
     tokens = torch.randint(3, 300, (1, len(parents)), generator=gen)
     tree = pipe.step(tokens, parents)
     worst = 0.0
-    for leaf in sorted(set(range(len(parents))) - set(parents)):
-        path = _path(parents, leaf)
+    for leaf in leaves(parents):
+        path = path_to(parents, leaf)
         pipe.truncate(prefix)
         worst = max(worst, (tree[0, path] - pipe.step(tokens[:, path])[0]).abs().max().item())
     assert worst <= EXACT

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.models import make_tiny_model
+from support.trees import leaves, path_to
 
 from dsd.shard_store import (
     MAX_TREE_NODES,
@@ -82,17 +83,8 @@ def random_parents(gen: torch.Generator, n: int) -> list[int]:
     return parents
 
 
-def path_to(parents: Sequence[int], node: int) -> list[int]:
-    """Node indices from the root down to `node`."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
-def leaves(parents: Sequence[int]) -> list[int]:
-    return sorted(set(range(len(parents))) - set(parents))
 
 
 @pytest.fixture(params=["llama", "qwen2"])
