@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import make_tiny_model
 from support.trees import leaves, path_to
 
 from dsd.shard_store import (
@@ -28,7 +27,6 @@ from dsd.shard_store import (
     tree_mask,
     tree_position_ids,
 )
-from dsd.shard_store.families import adapter_for
 
 SPANS = [(0, 1), (1, 4), (4, 5)]
 PREFIX = 9
@@ -280,24 +278,3 @@ def test_keep_refuses_what_is_not_an_accepted_path(tiny_qwen2_store: Path) -> No
         cache.keep(8, [0])
     cache.keep(6, [])  # no rows: truncate
     assert cache.length == 6
-
-
-def test_tree_respects_sliding_window_layers() -> None:
-    """Qwen2 with sliding-window layers: a tree node sees only keys within the window, like a chain."""
-    model = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2).to(torch.float64)
-    config = model.config
-    assert "sliding_attention" in config.layer_types
-    spans = [SpanModule(adapter_for("qwen2"), config, s, e, list(model.model.layers)[s:e]) for s, e in SPANS]
-    head = HeadModule(model.model.embed_tokens, model.model.norm, model.lm_head, config, adapter_for("qwen2"))
-    pipe = Pipeline(head, spans)
-    gen = torch.Generator().manual_seed(3)
-    pipe.step(torch.randint(0, 300, (1, PREFIX), generator=gen))
-    parents = [-1, 0, 1, 2, 3, 4, 1, 6, 7, -1, 9, 10, 11]  # depth 6 > window 4
-    tokens = torch.randint(0, 300, (1, len(parents)), generator=gen)
-    hidden = pipe.step(tokens, parents)
-    worst = 0.0
-    for leaf in leaves(parents):
-        path = path_to(parents, leaf)
-        pipe.truncate(PREFIX)
-        worst = max(worst, (hidden[0, path] - pipe.step(tokens[:, path])[0]).abs().max().item())
-    assert worst <= EXACT

@@ -46,6 +46,7 @@ FAMILY_QUIRKS: dict[str, dict[str, object]] = {
         },
     },
     "qwen2": {"tie_word_embeddings": True},
+    "qwen2-sliding": {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
     "mistral": {"tie_word_embeddings": False, "sliding_window": 6},
     "mistral-full": {"tie_word_embeddings": False, "sliding_window": None},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 24},
@@ -70,12 +71,13 @@ FAMILY_QUIRKS: dict[str, dict[str, object]] = {
         "mlp_only_layers": [0], "norm_topk_prob": True,
     },
 }
-"""Tiny-config overrides per test family name; "llama3" and "mistral-full" are variants of llama and mistral."""
+"""Tiny-config overrides per test family name; "llama3", "mistral-full" and "qwen2-sliding" (layers from the
+third on slide) are variants of llama, mistral and qwen2."""
 
 
 def family_of(name: str) -> str:
     """The model_type of a test family name ("llama3" -> "llama", "mistral-full" -> "mistral")."""
-    return {"llama3": "llama", "mistral-full": "mistral"}.get(name, name)
+    return {"llama3": "llama", "mistral-full": "mistral", "qwen2-sliding": "qwen2"}.get(name, name)
 
 
 def tiny_config(family: str, *, layers: int = TINY_LAYERS, tie: bool | None = None, **overrides: object):
