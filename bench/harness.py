@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -42,7 +43,8 @@ def git_commit() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: CPU count and model, memory, Python and torch versions."""
+    """What the numbers were measured on: a host id (hash of the machine id), CPU count and model, memory, Python
+    and torch versions."""
     import torch
 
     cpu_model = ""
@@ -54,7 +56,11 @@ def machine_info() -> dict[str, Any]:
     mem_gb = None
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem_gb = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+    host_id = ""
+    with contextlib.suppress(OSError):  # a stable, anonymous name for the machine: results from two hosts differ
+        host_id = hashlib.sha256(Path("/etc/machine-id").read_bytes().strip()).hexdigest()[:12]
     return {
+        "host_id": host_id,
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model,
         "mem_gb": mem_gb,

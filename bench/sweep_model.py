@@ -170,7 +170,7 @@ def decode_tokens_per_s(run: dict[str, Any]) -> float:
     return (run["new_tokens"] - 1) / decoding if decoding > 0 and run["new_tokens"] > 1 else 0.0
 
 
-def _paired(setting: dict[str, Any], num: str, den: str,
+def paired_ratios(setting: dict[str, Any], num: str, den: str,
             value: Callable[[dict[str, Any]], float] = lambda r: r["tokens_per_s"]) -> list[list[float]]:
     """Per prompt: the ratio num/den of a run's `value` in each repetition (the two runs were adjacent in time)."""
     by: dict[tuple[str, int], dict[str, float]] = {}
@@ -184,7 +184,7 @@ def _paired(setting: dict[str, Any], num: str, den: str,
     return list(groups.values())
 
 
-def _ratio(groups: list[list[float]]) -> dict[str, Any]:
+def ratio_summary(groups: list[list[float]]) -> dict[str, Any]:
     """A paired ratio's median, its bootstrap 95 % interval and how many pairs it rests on."""
     med, lo, hi = bootstrap_median(groups)
     return {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
@@ -226,11 +226,11 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
             row["pass_at_1"] = sum(first) / len(first)
         out["modes"][m] = row
     for num, den in RATIOS:
-        groups = _paired(setting, num, den)
+        groups = paired_ratios(setting, num, den)
         if groups:
-            out["ratios"][f"{num}/{den}"] = _ratio(groups)
+            out["ratios"][f"{num}/{den}"] = ratio_summary(groups)
             if den == "ar":  # what the timing model predicts: decoding, without the prompt's trip
-                out["ratios"][f"{num}/{den} decode"] = _ratio(_paired(setting, num, den, decode_tokens_per_s))
+                out["ratios"][f"{num}/{den} decode"] = ratio_summary(paired_ratios(setting, num, den, decode_tokens_per_s))
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
-                out["ratios"][f"{num}/{den} tokens/trip"] = _ratio(_paired(setting, num, den, lambda r: r["tokens_per_trip"]))
+                out["ratios"][f"{num}/{den} tokens/trip"] = ratio_summary(paired_ratios(setting, num, den, lambda r: r["tokens_per_trip"]))
     return out

@@ -77,7 +77,8 @@ def smoke(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     reference = hf_greedy(model_dir, PROMPT, args.tokens)
     t1 = time.monotonic()
     spans = split_blocks(layers, args.servers)
-    with PetalsSwarm(model_dir, spans, work / "logs", threads=args.threads, delay_ms=args.delay_ms) as swarm:
+    with PetalsSwarm(model_dir, spans, work / "logs", threads=args.threads, delay_ms=args.delay_ms,
+                     push_fix=args.push_fix) as swarm:
         t2 = time.monotonic()
         model = swarm.client()
         with torch.no_grad():
@@ -86,7 +87,7 @@ def smoke(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         t3 = time.monotonic()
         steps = sorted(step_times(model, args.steps)) if args.steps else []
     return {"ok": petals == reference, "model": "tiny-random-llama" if args.model is None else args.model.name,
-            "spans": spans, "delay_ms": args.delay_ms, "tokens_transformers": reference, "tokens_petals": petals,
+            "spans": spans, "delay_ms": args.delay_ms, "push_fix": args.push_fix, "tokens_transformers": reference, "tokens_petals": petals,
             "equal": f"{sum(a == b for a, b in zip(petals, reference, strict=False))}/{len(reference)}",
             "seconds": {"reference": round(t1 - t0, 1), "swarm_up": round(t2 - t1, 1),
                         "petals_generate": round(t3 - t2, 1)},
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=0, help="then time this many one-token steps in one session")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="one-way latency on every client-server link (a delay proxy per server)")
+    p.add_argument("--push-fix", action="store_true",
+                   help="servers push to the next server as on Petals' main branch (bench/petals/push_fix.py)")
     args = p.parse_args(argv)
     if args.model is not None:
         args.model = args.model.expanduser().absolute()

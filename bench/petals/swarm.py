@@ -23,6 +23,7 @@ ISOLATED_FLAG = "--isolated"  # set on the re-run inside the namespace
 BASE_PORT = 31330
 PROXY_PORT_OFFSET = 100  # server i listens on BASE_PORT + i, its delay proxy on BASE_PORT + 100 + i
 DELAY_PROXY = Path(__file__).resolve().parent / "delay_proxy.py"
+PUSH_FIX = Path(__file__).resolve().parent / "push_fix.py"
 
 
 def run_isolated(script: str, argv: Sequence[str]) -> int:
@@ -57,6 +58,7 @@ class PetalsSwarm:
     timeout_s: float = 300.0
     delay_ms: float = 0.0  # > 0: a delay proxy in front of every server, which announces the proxy's address
     threads: int = 1
+    push_fix: bool = False  # start servers through push_fix.py (server-to-server push as on Petals' main branch)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     maddrs: list[str] = field(default_factory=list)
     proxy: subprocess.Popen[str] | None = None
@@ -77,7 +79,8 @@ class PetalsSwarm:
         peers = ["--initial_peers", self.maddrs[0]] if self.maddrs else ["--new_swarm"]
         proxy_port = BASE_PORT + PROXY_PORT_OFFSET + index
         announce = ["--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy_port}"] if self.delay_ms > 0 else []
-        argv = [sys.executable, "-m", "petals.cli.run_server", str(self.model_dir), *peers, "--block_indices",
+        entry = [str(PUSH_FIX)] if self.push_fix else ["-m", "petals.cli.run_server"]
+        argv = [sys.executable, *entry, str(self.model_dir), *peers, "--block_indices",
                 f"{start}:{end}", "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", *announce, "--dht_prefix",
                 self.dht_prefix, "--throughput", "1.0", "--device", "cpu", "--torch_dtype", "float32",
                 "--no_auto_relay", "--skip_reachability_check"]
