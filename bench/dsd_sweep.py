@@ -9,8 +9,8 @@ that can be trusted.
 - Timing-model predictions from calibration done before a setting's runs only (t0 per window on the
   largest span routed, the head's own compute, the draft's step and batched branch step, and the
   draft's greedy acceptance measured on held-out prompts `CALIBRATION_PROBLEMS`).
-- The engine's exact counters (drafted, accepted, ready windows, bytes read), provenance per setting
-  (commit, dirty flag, command, load average before and after).
+- The engine's exact counters (drafted, accepted, ready windows, bytes read), provenance per setting and
+  per stretch of it (commit, machine, step time, links, seconds run; `sweep_provenance.py`), runs set apart.
 
 Resumable: runs already in the results file are skipped, and the file is rewritten after every prompt; a
 setting resumes only with the options it started with, and with links re-set to hold its t1/t0 at the
@@ -23,6 +23,7 @@ completed with the same options (the grid can reuse the headline run instead of 
     python bench/dsd_sweep.py --peers 4 --ratios 5 --modes ar,sd,dsd-serial,dsd --name pipeline  # the pipeline
     python bench/dsd_sweep.py --models tiny --problems 0,1 --reps 1 --max-new-tokens 24   # smoke test
     python bench/dsd_sweep.py --report-only --results bench/results/dsd_grid.json --merge bench/results/pipeline-2026-12-02.json
+    python bench/dsd_sweep.py --results FILE.json --set-apart real-N8-r3 --rep 2 --task 32,49 --reason "tests beside it"
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,6 +51,17 @@ from harness import (
     today,
 )
 from sweep_model import CHAIN, MODES, SERIAL, base_mode, summarize
+from sweep_provenance import (
+    StretchClock,
+    log,
+    machine_record,
+    merge_settings,
+    now_stamp,
+    option_mismatch,
+    set_apart,
+    setting_key,
+    setting_options,
+)
 from sweep_report import markdown_table, write_outputs
 from sweep_setup import (
     Workload,
@@ -104,53 +115,6 @@ class SweepOptions:
     def stem(self) -> Path:
         """The results files' path without suffix: `results`, else bench/results/<name>-<date>."""
         return self.results.with_suffix("") if self.results else RESULTS_DIR / f"{self.name}-{today()}"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def setting_key(models: str, peers: int, ratio: float) -> str:
-    return f"{models}-N{peers}-r{ratio:g}"
-
-
-def setting_options(opts: SweepOptions) -> dict[str, Any]:
-    """What a setting's runs depend on besides N and t1/t0; recorded with the setting, compared on resume."""
-    return {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
-            "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
-            "branches": opts.branches, "pipeline": opts.pipeline,
-            "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes}
-
-
-def option_mismatch(setting: dict[str, Any], opts: SweepOptions, *, more_modes: bool = False) -> list[str]:
-    """How the options a setting ran with differ from these; `more_modes`: it may also hold other modes."""
-    ours, theirs = setting_options(opts), setting.get("options", {})
-    diff = [f"{k} {theirs.get(k, 'unset')!r} (here {v!r})" for k, v in ours.items()
-            if k != "modes" and theirs.get(k, "unset") != v]
-    modes = theirs.get("modes", [])
-    if not (set(opts.modes) <= set(modes) if more_modes else list(opts.modes) == list(modes)):
-        diff.append(f"modes {modes!r} (here {list(opts.modes)!r})")
-    return diff
-
-
-def merge_settings(results: dict[str, Any], opts: SweepOptions) -> None:
-    """Adopt from `opts.merge` the settings of this sweep's grid that the results lack, if run with its options."""
-    have = {s["key"] for s in results["settings_runs"]}
-    wanted = {setting_key(opts.models, n, r) for n in opts.peers for r in opts.ratios}
-    for path in opts.merge:
-        try:
-            other = json.loads(path.read_text())["settings_runs"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise SystemExit(f"--merge {path}: not a sweep results file ({exc})") from None
-        for s in other:
-            if s["key"] not in wanted or s["key"] in have:
-                continue
-            if diff := option_mismatch(s, opts, more_modes=True):
-                raise SystemExit(f"--merge {path}: setting {s['key']} ran with other options: {'; '.join(diff)}")
-            results["settings_runs"].append({**s, "merged_from": path.name})
-            have.add(s["key"])
-            log(f"merged {s['key']} from {path.name} ({len(s['runs'])} runs)")
-    results["settings_runs"].sort(key=lambda s: (s["models"], s["peers"], s["ratio"]))
 
 
 # --- calibration (before the runs) ---------------------------------------------------------------
@@ -252,33 +216,35 @@ def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Work
 
 
 def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup: Any, workload: Workload,
-                eos: frozenset[int], save: Any) -> None:
-    """One (N, t1/t0) setting: start the testnet, run the missing (rep, prompt) pairs in every mode, stop it."""
+                eos: frozenset[int], save: Any, *, fresh: bool = False) -> None:
+    """One (N, t1/t0) setting: start the testnet, run the missing (rep, prompt) pairs in every mode, stop it.
+    Not `fresh` (calibrated by an earlier process): a new stretch, its machine and step time recorded."""
     import trio
 
     from dsd.node.peer.generation import swarm_watch
     from dsd.node.peer.host import head_node
     from dsd.node.peer.shaper import LinkProfile
 
-    cal = setting["calibration"]
+    cal, prov = setting["calibration"], setting["provenance"]
     todo = run_setting_todo(opts, setting, workload)
     if not todo:
         return
     if diff := option_mismatch(setting, opts):
         raise SystemExit(f"setting {setting['key']} started with other options: {'; '.join(diff)}; "
                          "rerun with those, or write to another --results file")
-    latency_ms = cal["latency_ms"]
-    if setting["runs"]:  # a setting started earlier: the machine's speed may have changed since its calibration
+    latency_ms, record = cal["latency_ms"], prov
+    if not fresh:  # a setting started earlier: the machine (or its speed) may have changed since its calibration
         from dsd.node.testnet.calibrate import measure_t0
         from dsd.shard_store import Store
 
         t0_now = measure_t0(Store(target), cal["layers_per_peer"])
         latency_ms = link_latency_ms(cal["ratio"], t0_now)  # hold the setting's t1/t0, not its t1
-        setting["provenance"].setdefault("resumed", []).append(
-            {"commit": git_commit(), "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "t0_s": t0_now, "latency_ms": latency_ms})
+        record = {"commit": git_commit(), "load_before": os.getloadavg(), "started": now_stamp(), "t0_s": t0_now,
+                  "latency_ms": latency_ms, "machine": machine_record()}
+        prov.setdefault("resumed", []).append(record)
         log(f"  resuming: t0 {t0_now * 1000:.1f} ms now, {cal['t0_s'] * 1000:.1f} ms at calibration; links "
             f"{latency_ms:.0f} ms (were {cal['latency_ms']:.0f}) so t1/t0 stays {cal['ratio']:g}")
+    stretch, clock = len(prov.get("resumed", [])), StretchClock(setting, record)
     again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
     setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
     setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]
@@ -293,12 +259,15 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
                 setting["route"] = [[h.start, h.end] for h in hops]
                 swarm = swarm_watch(node, setup)
                 for rep, problem in todo:
-                    setting["runs"].extend(await run_prompt(swarm, legs, hops, setup, workload, problem, rep, opts, eos))
+                    runs = await run_prompt(swarm, legs, hops, setup, workload, problem, rep, opts, eos)
+                    setting["runs"].extend({**r, "stretch": stretch} for r in runs)
                     setting["summary"] = summarize(setting)
-                    setting["provenance"]["load_after"] = os.getloadavg()
+                    prov["load_after"] = os.getloadavg()
+                    clock.tick()
                     save()
 
         trio.run(main)
+    clock.tick()
 
 
 def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, target: Path, setup: Any,
@@ -308,7 +277,7 @@ def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, targ
     return {
         "key": setting_key(opts.models, peers, ratio), "models": opts.models, "peers": peers, "ratio": ratio,
         "provenance": {"commit": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty"), "command": command,
-                       "load_before": load_before, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                       "load_before": load_before, "started": now_stamp(), "machine": machine_record()},
         "options": setting_options(opts),
         "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
         "runs": [],
@@ -340,17 +309,16 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
         for ratio in opts.ratios:
             key = setting_key(opts.models, n, ratio)
             setting = by_key.get(key)
-            if setting is None:
+            fresh = setting is None
+            if fresh:
                 if acceptance is None:
                     acceptance = measure_acceptance(target, setup.drafter.model, held_out, held_out.problems)
                 setting = new_setting(opts, n, ratio, command, target, setup, workload, acceptance)
                 results["settings_runs"].append(setting)
             elif not run_setting_todo(opts, setting, workload):
                 continue  # complete: its provenance stays as it finished
-            t = time.perf_counter()
-            run_setting(opts, setting, target, setup, workload, eos, lambda: write_outputs(results, stem))
-            setting["provenance"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-            setting["wall_s"] = round(setting.get("wall_s", 0.0) + time.perf_counter() - t, 1)
+            run_setting(opts, setting, target, setup, workload, eos, lambda: write_outputs(results, stem), fresh=fresh)
+            setting["provenance"]["finished"] = now_stamp()
             write_outputs(results, stem)
             for ratio_name, r in setting.get("summary", {}).get("ratios", {}).items():
                 log(f"  => {ratio_name}: median {r['median']:.2f}x  95% CI [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}] "
@@ -374,11 +342,32 @@ def rebuild_report(opts: SweepOptions) -> dict[str, Any]:
     return results
 
 
+def set_apart_runs(opts: SweepOptions, key: str, reason: str, reps: Sequence[int], tasks: Sequence[str]) -> dict[str, Any]:
+    """`--set-apart`: move a setting's chosen runs out of its medians with the reason (`set_apart`), recompute its
+    summary and rewrite the outputs; the sweep runs those prompts again when it resumes."""
+    path = opts.stem.with_suffix(".json")
+    if not path.exists():
+        raise SystemExit(f"--set-apart: no results file {path}")
+    results = json.loads(path.read_text())
+    by_key = {s["key"]: s for s in results["settings_runs"]}
+    if key not in by_key:
+        raise SystemExit(f"--set-apart: {path.name} has no setting {key} (it has {', '.join(by_key)})")
+    setting = by_key[key]
+    try:
+        entry = set_apart(setting, reason, reps=reps, tasks=tasks, commit=git_commit(), when=now_stamp())
+    except ValueError as exc:
+        raise SystemExit(f"--set-apart: {exc}") from None
+    setting["summary"] = summarize(setting) if setting["runs"] else {}
+    write_outputs(results, opts.stem)
+    log(f"set apart {len(entry['runs'])} runs of {key} ({reason}); their prompts run again when the sweep resumes")
+    return results
+
+
 # --- CLI -----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
-    """The command line as sweep options, and whether only the report is to be rebuilt."""
+def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, argparse.Namespace]:
+    """The command line as sweep options, and the parsed arguments (what to do: run, rebuild the report, set apart)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", choices=MODEL_KINDS, default="real",
                    help="real: Qwen2.5-Coder 1.5B target, 0.5B draft; tiny: random 8-layer target drafting for itself")
@@ -403,7 +392,21 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="testnet state and work directory")
     p.add_argument("--report-only", action="store_true",
                    help="recompute summaries, table and plot of --results from its raw runs; run nothing")
+    p.add_argument("--set-apart", metavar="KEY", help="move runs of setting KEY (e.g. real-N4-r3) of --results out of its "
+                   "medians, with --reason, chosen by --rep and/or --task (every mode of a chosen prompt), or --all-runs")
+    p.add_argument("--rep", default="", help="--set-apart: which repetition(s), comma-separated (not --reps: how many)")
+    p.add_argument("--task", default="", help="--set-apart: which task(s), comma-separated (HumanEval/32 or 32)")
+    p.add_argument("--all-runs", action="store_true", help="--set-apart: every run of the setting")
+    p.add_argument("--reason", default="", help="--set-apart: why, stored beside the runs and shown in the report")
     args = p.parse_args(argv)
+    args.rep, args.task = comma_list(p, "--rep", args.rep, int), comma_list(p, "--task", args.task, str)
+    if args.set_apart is not None:
+        if args.results is None or args.report_only or not args.reason.strip():
+            p.error("--set-apart takes --results and --reason (and not --report-only)")
+        if bool(args.rep or args.task) == args.all_runs:
+            p.error("--set-apart chooses runs by --rep and/or --task, or takes --all-runs")
+    elif args.rep or args.task or args.all_runs or args.reason:
+        p.error("--rep, --task, --all-runs and --reason go with --set-apart")
     peers = comma_list(p, "--peers", args.peers, int)
     ratios = comma_list(p, "--ratios", args.ratios, float)
     problems = comma_list(p, "--problems", args.problems, int)
@@ -425,12 +428,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, bool]:
                         draft_quant=args.draft_quant, branches=args.branches, pipeline=args.pipeline, tree_nodes=tree_nodes,
                         exec_timeout=args.exec_timeout, name=name, results=args.results, merge=args.merge,
                         state=args.state)
-    return opts, args.report_only
+    return opts, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts, report_only = parse_args(argv)
-    if report_only:
+    opts, args = parse_args(argv)
+    if args.set_apart is not None:
+        results = set_apart_runs(opts, args.set_apart, args.reason, args.rep, args.task)
+    elif args.report_only:
         results = rebuild_report(opts)
     else:
         results = run_sweep(opts, command_line("dsd_sweep.py", argv if argv is not None else sys.argv[1:]))

@@ -1,15 +1,19 @@
 """The DSD report's pure parts: the timing model (fed only by calibration done before a setting's runs),
 the paper's formula, and the per-setting statistics (medians with bootstrap confidence intervals).
 
-No testnet, no torch: plain functions over the numbers a sweep records (see docs/benchmarks.md).
+No testnet, no torch: plain functions (numpy for the bootstrap) over the numbers a sweep records (see
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import random
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
+from sweep_provenance import set_apart_groups, stretches
 
 MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial")
 # Paired ratios reported when both modes ran: the speedups, and trees (the controller's choice) vs chains.
@@ -20,6 +24,8 @@ SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-dr
 # The engine's window limits the model follows (node/head/config.py; a test checks they agree):
 GAMMA_MAX = 16  # the longest chain window
 LOOKAHEAD = 3  # dsd pre-drafts each branch this many tokens past the window it expects next
+DRAWS = 10_000  # bootstrap draws per interval
+BAND_Z = 2.0  # a bound's Monte-Carlo band: ±2 binomial sd of its rank among the drawn medians
 
 
 def base_mode(mode: str) -> str:
@@ -114,18 +120,31 @@ def paper_prediction(n: int, t0: float, t1: float, tokens_per_round: float) -> d
     return {"t_std_s": t_std, "saving_s": saving, "speedup": t_std / (t_std - saving)}
 
 
-def bootstrap_median(groups: Sequence[Sequence[float]], *, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Median of all values and its 95 % interval, resampling whole groups (one group = one prompt's repetitions)."""
+def bootstrap_interval(groups: Sequence[Sequence[float]], *, draws: int = DRAWS,
+                       seed: int = 0) -> tuple[float, float, float, float, float]:
+    """Median of all values, its 95 % interval resampling whole groups (one group = one prompt's repetitions), and
+    each bound's Monte-Carlo error: half the spread of the drawn medians within ±2 binomial sd of the bound's rank,
+    the band where a rerun with another seed puts the bound 19 times in 20 (the bounds are only printed to it)."""
     values = [v for g in groups for v in g]
     if not values:
-        return float("nan"), float("nan"), float("nan")
-    rng = random.Random(seed)
-    meds = []
-    for _ in range(draws):
-        sample = [v for _ in groups for v in groups[rng.randrange(len(groups))]]
-        meds.append(statistics.median(sample))
-    meds.sort()
-    return statistics.median(values), meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+        return (math.nan,) * 5
+    table = np.full((len(groups), max(len(g) for g in groups)), np.nan)  # ragged groups padded with NaN
+    for i, g in enumerate(groups):
+        table[i, : len(g)] = g
+    pick = np.random.default_rng(seed).integers(len(groups), size=(draws, len(groups)))
+    meds = np.sort(np.nanmedian(table[pick].reshape(draws, -1), axis=1))
+    out = [statistics.median(values)]
+    for p, k in ((0.025, int(0.025 * draws)), (0.975, int(0.975 * draws) - 1)):
+        d = math.ceil(BAND_Z * math.sqrt(draws * p * (1 - p)))
+        out.append(float(meds[k]))
+        out.append(float(meds[min(k + d, draws - 1)] - meds[max(k - d, 0)]) / 2)
+    med, lo, lo_err, hi, hi_err = out
+    return med, lo, hi, lo_err, hi_err
+
+
+def bootstrap_median(groups: Sequence[Sequence[float]], *, draws: int = DRAWS, seed: int = 0) -> tuple[float, float, float]:
+    """Median of all values and its 95 % interval, resampling whole groups (one group = one prompt's repetitions)."""
+    return bootstrap_interval(groups, draws=draws, seed=seed)[:3]
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -185,9 +204,53 @@ def paired_ratios(setting: dict[str, Any], num: str, den: str,
 
 
 def ratio_summary(groups: list[list[float]]) -> dict[str, Any]:
-    """A paired ratio's median, its bootstrap 95 % interval and how many pairs it rests on."""
-    med, lo, hi = bootstrap_median(groups)
-    return {"median": med, "ci95": [lo, hi], "pairs": sum(len(g) for g in groups)}
+    """A paired ratio's median, its bootstrap 95 % interval (with each bound's Monte-Carlo error) and its pairs."""
+    med, lo, hi, lo_err, hi_err = bootstrap_interval(groups)
+    return {"median": med, "ci95": [lo, hi], "ci95_mc": [lo_err, hi_err], "draws": DRAWS,
+            "pairs": sum(len(g) for g in groups)}
+
+
+def _ratio_readings(rt: float, n: int, cal: dict[str, Any], mark: dict[str, Any]) -> tuple[float, float | None]:
+    """One `ar` round of `rt` seconds read in a stretch (its t0 and links; compute scaled by t0 then / t0 at
+    calibration): (t1_eff/t0, the excess on the links; t1/t0_eff, the excess on the peers' steps, None when the
+    round was shorter than its links)."""
+    t0 = mark["t0_s"] or cal["t0_s"]
+    t1 = (mark["latency_ms"] or cal["latency_ms"]) / 1000
+    scale, head = t0 / cal["t0_s"], interp({int(k): v for k, v in cal["head_window_s"].items()}, 1)
+    step = (rt - (n + 1) * t1 - scale * head) / n
+    return (rt - scale * (n * cal["t0_window_s"]["1"] + head)) / (n + 1) / t0, t1 / step if step > 0 else None
+
+
+def effective_ratio(setting: dict[str, Any]) -> dict[str, Any] | None:
+    """t1/t0 as the `ar` runs' decoding rounds measured it, beside the nominal one links were set to: a round costs
+    (N+1)·t1 + N·t0(1) + h(1) (`round_time`); what it costs beyond that is put on the links (t1_eff/t0) or on the
+    peers' steps (t1/t0_eff), the two ends of where the excess may lie. A run is read in its stretch; one of an
+    older file (no stretch recorded) in each of the setting's stretches, so each reading is a [low, high] range of
+    medians over the runs that holds the median of the true stretches (a single value when they agree)."""
+    cal, n = setting["calibration"], setting["peers"]
+    ar = [r for r in setting["runs"] if r["mode"] == "ar" and "error" not in r and r.get("windows_after_prefill")]
+    if not ar or "1" not in cal.get("t0_window_s", {}):
+        return None
+    marks = stretches(setting)
+    rounds, links, peers = [], [], []
+    for r in ar:
+        rt = (r["elapsed_s"] - r["prefill_s"]) / r["windows_after_prefill"]
+        placed = 0 <= r.get("stretch", -1) < len(marks)
+        readings = [_ratio_readings(rt, n, cal, m) for m in ([marks[r["stretch"]]] if placed else marks)]
+        rounds.append(rt)
+        links.append((min(x for x, _ in readings), max(x for x, _ in readings)))
+        if all(y is not None for _, y in readings):
+            peers.append((min(y for _, y in readings), max(y for _, y in readings)))
+
+    def span(pairs: list[tuple[float, float]]) -> list[float] | None:
+        """The median of the low readings and of the high ones (None without any)."""
+        return [statistics.median(lo for lo, _ in pairs), statistics.median(hi for _, hi in pairs)] if pairs else None
+
+    head = interp({int(k): v for k, v in cal["head_window_s"].items()}, 1)
+    return {"nominal": setting.get("ratio", cal.get("ratio")), "t1_eff_over_t0": span(links),
+            "t1_over_t0_eff": span(peers), "round_s": statistics.median(rounds),
+            "model_round_s": round_time(n, cal["latency_ms"] / 1000, cal["t0_window_s"]["1"], head),
+            "ar_runs": len(ar), "runs_placed_in_stretches": sum(1 for r in ar if "stretch" in r)}
 
 
 def pipeline_depth(mode: str, setting: dict[str, Any]) -> int:
@@ -202,7 +265,10 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     runs = [r for r in setting["runs"] if "error" not in r]  # a failed run has no counters; it is counted apart
     modes = [m for m in MODES if any(r["mode"] == m for r in runs)]
     cal = setting["calibration"]
-    out: dict[str, Any] = {"modes": {}, "ratios": {}, "failed_runs": len(setting["runs"]) - len(runs) + len(setting.get("failed", []))}
+    out: dict[str, Any] = {"modes": {}, "ratios": {}, "failed_runs": len(setting["runs"]) - len(runs) + len(setting.get("failed", [])),
+                           "set_apart": [{"reason": g["reason"], "when": g["when"], "commit": g["commit"], "runs": len(g["runs"])}
+                                         for g in set_apart_groups(setting)],
+                           "effective_ratio": effective_ratio(setting)}
     ar_pred = predict("ar", cal, 0)
     ref = "ar" if "ar" in modes else modes[0]  # greedy output must be the same in every mode: checked against ref
     for m in modes:
@@ -211,7 +277,8 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         by_task: dict[str, list[float]] = {}
         for r in mine:
             by_task.setdefault(r["task_id"], []).append(r["tokens_per_s"])
-        row["median_tokens_per_s"] = bootstrap_median(list(by_task.values()))
+        med, lo, hi, lo_err, hi_err = bootstrap_interval(list(by_task.values()))
+        row["median_tokens_per_s"], row["median_tokens_per_s_mc"] = [med, lo, hi], [lo_err, hi_err]
         depth = pipeline_depth(m, setting)
         gamma = best_gamma(base_mode(m), cal, pipeline=min(depth, 2))
         pred = predict(base_mode(m), cal, gamma, pipeline=min(depth, 2))

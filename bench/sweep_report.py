@@ -4,19 +4,57 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from harness import RESULTS_DIR, write_json
+from sweep_provenance import cell_machine, set_apart_groups, stretches_table
 
 
 def fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def stable_decimals(error: float, most: int = 2) -> int:
+    """The decimals worth printing for a value with this Monte-Carlo error: the most (up to `most`) whose last
+    digit's unit is at least the error, so a rerun with another seed moves that digit by one at most."""
+    return next((d for d in range(most, 0, -1) if 10.0**-d >= error), 0)
+
+
+def fmt_bound(x: float, error: float | None) -> str:
+    """A bootstrap bound to its stable digits (two decimals when its error was not recorded)."""
+    return f"{x:.{2 if error is None else stable_decimals(error)}f}"
+
+
+def fmt_interval(lo: float, hi: float, errors: Sequence[float] | None) -> str:
+    """`[lo, hi]`, each bound printed only to the digits its Monte-Carlo error leaves stable."""
+    lo_err, hi_err = errors if errors else (None, None)
+    return f"[{fmt_bound(lo, lo_err)}, {fmt_bound(hi, hi_err)}]"
+
+
 def _ci(r: dict[str, Any]) -> str:
-    return f"{r['median']:.2f}× [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
+    return f"{r['median']:.2f}× {fmt_interval(*r['ci95'], r.get('ci95_mc'))}"
+
+
+def _span(span: Sequence[float] | None) -> str:
+    """A [low, high] reading as one value when the two agree to a decimal, else `low–high`."""
+    if not span:
+        return "-"
+    lo, hi = (format(x, ".1f") for x in span)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def effective(summ: dict[str, Any]) -> str:
+    """t1/t0 from the `ar` rounds, excess on the links; excess on the peers' steps (`effective_ratio`); a range
+    where older runs could not be placed in the stretches, whose links differed."""
+    eff = summ.get("effective_ratio")
+    return f"{_span(eff['t1_eff_over_t0'])}; {_span(eff['t1_over_t0_eff'])}" if eff else "-"
+
+
+def set_apart_count(setting: dict[str, Any]) -> int:
+    """How many runs of a setting were set apart (reasons in the provenance list above the tables)."""
+    return sum(len(g["runs"]) for g in set_apart_groups(setting))
 
 
 def _get(ratios: dict[str, Any], key: str) -> str:
@@ -24,29 +62,34 @@ def _get(ratios: dict[str, Any], key: str) -> str:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    """Two tables: the paired speedups per setting (median, 95 % CI), then every mode's figures."""
-    lines = ["| model | N | t1/t0 | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | dsd/ar decoding | model dsd/ar | "
-             "sd/ar decoding | model sd/ar | ready (dsd) | pairs | load before → after |", "|" + "---|" * 15]
-    rows = ["| model | N | t1/t0 | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
-            "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 17]
-    trees = ["| model | N | t1/t0 | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
-             "|" + "---|" * 7]
+    """Three tables, each cell with its machine: the paired speedups per setting (median, 95 % CI; bounds to
+    their stable digits) with t1/t0 as the `ar` rounds measured it, every mode's figures, trees and pipelines."""
+    lines = ["| model | N | t1/t0 | t1/t0 from ar (links; peers) | machine | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | "
+             "dsd/ar decoding | model dsd/ar | sd/ar decoding | model sd/ar | ready (dsd) | pairs | set apart | "
+             "load before → after |", "|" + "---|" * 18]
+    rows = ["| model | N | t1/t0 | machine | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
+            "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 18]
+    trees = ["| model | N | t1/t0 | machine | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
+             "|" + "---|" * 8]
     for s in results["settings_runs"]:
         summ, cal, prov = s.get("summary") or {}, s["calibration"], s["provenance"]
+        machine = cell_machine(s)
         ratios, modes = summ.get("ratios", {}), summ.get("modes", {})
         dsd = modes.get("dsd", {})
         model = {m: fmt((modes.get(m, {}).get("model") or {}).get("speedup_vs_ar")) for m in ("dsd", "sd")}
         load = f"{prov['load_before'][0]:.1f} → {prov.get('load_after', [float('nan')])[0]:.1f}"
         lines.append(
-            f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {cal['t0_s'] * 1000:.0f} | {cal['latency_ms']:.0f} | "
+            f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {effective(summ)} | {machine} | {cal['t0_s'] * 1000:.0f} | "
+            f"{cal['latency_ms']:.0f} | "
             f"{_get(ratios, 'dsd/ar')} | {_get(ratios, 'sd/ar')} | {_get(ratios, 'dsd/sd')} | {_get(ratios, 'dsd/ar decode')} | {model['dsd']}× | "
             f"{_get(ratios, 'sd/ar decode')} | {model['sd']}× | "
-            f"{fmt(dsd.get('ready_share'))} | {ratios.get('dsd/ar', {}).get('pairs', 0)} | {load} |")
+            f"{fmt(dsd.get('ready_share'))} | {ratios.get('dsd/ar', {}).get('pairs', 0)} | {set_apart_count(s)} | {load} |")
         for mode, r in modes.items():
             med, lo, hi = r["median_tokens_per_s"]
             same = next((v for k, v in r.items() if k.startswith("identical_to_")), "-")
             rows.append(
-                f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {mode} | {med:.2f} [{lo:.2f}, {hi:.2f}] | "
+                f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {machine} | {mode} | "
+                f"{med:.2f} {fmt_interval(lo, hi, r.get('median_tokens_per_s_mc'))} | "
                 f"{r['tokens_per_trip']:.2f} | {r['mean_accepted']:.2f} | {r['mean_gamma']:.1f} | "
                 f"{r.get('tree_window_share', 0.0) * 100:.0f} % | {r['ready_share'] * 100:.0f} % | "
                 f"{r.get('pipelined_share', 0.0) * 100:.0f} % | {r['hidden_used_share'] * 100:.0f} % | {r['drafting_hidden_wasted_s']:.1f} | "
@@ -55,7 +98,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         for name, r in ratios.items():
             if ("-chain" in name or "-serial" in name) and not name.endswith(("tokens/trip", "decode")):
                 trip = ratios.get(f"{name} tokens/trip")
-                trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {name} | {_ci(r)} | "
+                trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {machine} | {name} | {_ci(r)} | "
                              f"{_ci(trip) if trip else '-'} | {r['pairs']} |")
     out = "\n".join(lines) + "\n\n" + "\n".join(rows) + "\n"
     if len(trees) > 2:
@@ -174,19 +217,22 @@ def cell_complete(setting: dict[str, Any]) -> bool:
 
 
 def grid_matrix(results: dict[str, Any]) -> str:
-    """The settings as an N × t1/t0 matrix of dsd/ar (dsd/sd): the grid at a glance; '…' = not finished."""
+    """The settings as an N × t1/t0 matrix of dsd/ar (dsd/sd) with each cell's machine as a mark explained below
+    it: the grid at a glance, and which cells may be compared; '…' = not finished."""
     cells: dict[tuple[int, float], str] = {}
+    marks: dict[str, str] = {}
     for s in results["settings_runs"]:
         ratios = (s.get("summary") or {}).get("ratios", {})
         if "dsd/ar" in ratios:
-            cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])} ({ratios['dsd/sd']['median']:.2f}× sd)"
+            mark = marks.setdefault(cell_machine(s), f"m{len(marks) + 1}")
+            cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])} ({ratios['dsd/sd']['median']:.2f}× sd) {mark}"
                                                + ("" if cell_complete(s) else f" … {ratios['dsd/ar']['pairs']} of {_planned_pairs(s)} pairs"))
     if not cells:
         return ""
     ns, rs = sorted({n for n, _ in cells}), sorted({r for _, r in cells})
-    lines = ["| dsd/ar [95 % CI] (dsd/sd) | " + " | ".join(f"t1/t0 = {r:g}" for r in rs) + " |", "|---" * (len(rs) + 1) + "|"]
+    lines = ["| dsd/ar [95 % CI] (dsd/sd) machine | " + " | ".join(f"t1/t0 = {r:g}" for r in rs) + " |", "|---" * (len(rs) + 1) + "|"]
     lines += [f"| N = {n} | " + " | ".join(cells.get((n, r), "-") for r in rs) + " |" for n in ns]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\nMachines: " + "; ".join(f"{m}: {label}" for label, m in marks.items()) + ".\n"
 
 
 def attach_federated(results: dict[str, Any]) -> None:
@@ -221,7 +267,15 @@ def resumed_speed(resume: dict[str, Any]) -> str:
     return f" (t0 then {resume['t0_s'] * 1000:.0f} ms{links})"
 
 
+def set_apart_note(setting: dict[str, Any]) -> str:
+    """The runs set apart from a setting, per reason, when and on which commit (older files: reason only)."""
+    return "".join(f"; {len(g['runs'])} runs set apart"
+                   + (f" on {g['when']} ({(g['commit'] or '?')[:12]})" if g.get("when") else "") + f": {g['reason']}"
+                   for g in set_apart_groups(setting))
+
+
 def write_outputs(results: dict[str, Any], stem: Path) -> None:
+    """The results JSON, and the Markdown (provenance, stretches, matrix, tables) and plot made from it."""
     attach_federated(results)
     write_json(stem.with_suffix(".json"), results)
     prov = "\n".join(
@@ -230,11 +284,12 @@ def write_outputs(results: dict[str, Any], stem: Path) -> None:
         + "".join(f"; resumed on {r['commit'][:12]} at {r['started']}{resumed_speed(r)}"
                   for r in s["provenance"].get("resumed", []))
         + (f"; {n} failed (not counted, their prompts ran again)" if (n := len(s.get("failed", []))) else "")
-        + "".join(f"; {n} discarded ({why})" for why, n in Counter(r["reason"] for r in s.get("discarded", [])).items())
+        + set_apart_note(s)
         for s in results["settings_runs"])
     matrix = grid_matrix(results)
     stem.with_suffix(".md").write_text(f"# {results['name']} ({results['date']})\n\n{prov}\n\n"
+                                       + "Where and when each setting ran (its start, then each resume):\n\n"
+                                       + f"{stretches_table(results)}\n"
                                        + (f"{matrix}\n" if matrix else "") + markdown_table(results))
     if any(s.get("summary") for s in results["settings_runs"]):
         plot(results, stem.with_suffix(".png"))
-

@@ -239,7 +239,7 @@ def test_a_discarded_run_is_shown_with_its_reason_and_its_prompt_runs_again(tmp_
                "discarded": [discarded],
                "provenance": {"commit": "c" * 40, "dirty": False, "command": "x", "load_before": [1.0, 1.0, 1.0]}}
     write_outputs({"name": "grid", "date": "d", "settings_runs": [setting]}, tmp_path / "grid")
-    assert "1 runs; 1 discarded (ran beside the tests)" in (tmp_path / "grid.md").read_text()
+    assert "1 runs; 1 runs set apart: ran beside the tests" in (tmp_path / "grid.md").read_text()
     assert summarize(setting)["modes"]["ar"]["identical_to_ar"] == "1/1"  # B's discarded run is not counted
     opts, workload = SimpleNamespace(reps=1), SimpleNamespace(problems=[{"task_id": "A"}, {"task_id": "B"}])
     assert [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, setting, workload)] == [(1, "B")]
@@ -275,6 +275,7 @@ def test_resuming_with_other_options_stops_before_any_testnet_starts() -> None:
 def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grid's axis is t1/t0: a setting resumed when a step takes 150 ms, not 127.6, gets 750 ms links, not 638."""
     import dsd_sweep
+    import sweep_provenance
     from sweep_report import resumed_speed
 
     import dsd.node.testnet.calibrate
@@ -286,6 +287,7 @@ def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(mon
     def testnet(target: Path, peers: int, latency_ms: float, state: Path) -> None:
         raise Started(peers, latency_ms)
 
+    monkeypatch.setattr(sweep_provenance, "machine_info", lambda: {"host_id": "b" * 12, "cpu_model": "CPU B", "cpu_count": 2})
     monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers: 0.150)
     monkeypatch.setattr(dsd.shard_store, "Store", lambda path: None)
     monkeypatch.setattr(dsd_sweep, "testnet", testnet)
@@ -298,6 +300,7 @@ def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(mon
     assert started.value.args == (3, pytest.approx(750.0))
     [resumed] = setting["provenance"]["resumed"]
     assert resumed["t0_s"] == 0.150 and resumed["latency_ms"] == pytest.approx(750.0)
+    assert resumed["machine"] == {"host_id": "b" * 12, "cpu_model": "CPU B", "cpu_count": 2}
     assert resumed_speed(resumed) == " (t0 then 150 ms, links 750 ms)"
     assert setting["calibration"]["latency_ms"] == 638.0  # the runs made before keep their calibration
 
@@ -361,9 +364,10 @@ def test_the_grid_matrix_places_each_setting_and_marks_the_unfinished() -> None:
                 "summary": {"ratios": {"dsd/ar": r, "dsd/sd": {**r, "median": 1.3}}}}
 
     table = grid_matrix({"settings_runs": [setting(3, 3.0, 30), setting(4, 10.0, 7)]}).splitlines()
-    assert table[0] == "| dsd/ar [95 % CI] (dsd/sd) | t1/t0 = 3 | t1/t0 = 10 |"
-    assert table[2] == "| N = 3 | 4.00× [3.00, 5.00] (1.30× sd) | - |"
-    assert table[3] == "| N = 4 | - | 4.00× [3.00, 5.00] (1.30× sd) … 7 of 30 pairs |"
+    assert table[0] == "| dsd/ar [95 % CI] (dsd/sd) machine | t1/t0 = 3 | t1/t0 = 10 |"
+    assert table[2] == "| N = 3 | 4.00× [3.00, 5.00] (1.30× sd) m1 | - |"
+    assert table[3] == "| N = 4 | - | 4.00× [3.00, 5.00] (1.30× sd) m1 … 7 of 30 pairs |"
+    assert table[5] == "Machines: m1: not recorded."
 
 
 @pytest.mark.parametrize("ratios", [(5.0,), (3.0, 5.0)])
