@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -197,16 +197,24 @@ def swarm(spec: Any) -> Iterator[Any]:
         stop_processes(list(reversed(state.peers)))
 
 
-def testnet(store: Path, peers: int, latency_ms: float, state_dir: Path, *, timeout_s: float = 600.0,
-            replicas: int = 1, faults: Sequence[str] = (), threads: int = 1) -> contextlib.AbstractContextManager[Any]:
-    """A local testnet (bootstrap + `peers` block peers in `peers / replicas` spans, `threads` each, WAN latency;
-    `faults` as `testnet up --faulty`) that is always stopped."""
-    from dsd.node.peer.shaper import LinkProfile
+def testnet(store: Path, peers: int, latency_ms: float | None, state_dir: Path, *, timeout_s: float = 600.0,
+            replicas: int = 1, faults: Sequence[str] = (), threads: int = 1, link_profile: str | None = None,
+            peer_profiles: Sequence[str] = (), peer_cpus: str | Iterable[int] | None = None,
+            ) -> contextlib.AbstractContextManager[Any]:
+    """A local testnet (bootstrap + `peers` block peers in `peers / replicas` spans, `threads` each; `faults` as
+    `testnet up --faulty`) that is always stopped. WAN: the named `link_profile` (None: latency only) with
+    `latency_ms` as its latency (None: the profile's), `peer_profiles` as `testnet up --peer-profile`;
+    `peer_cpus` (`"1"`, `"1-3"` or a set) pins the bootstrap and the peers (pin the head with
+    `dsd.node.peer.cpus.pin_head`)."""
+    from dsd.node.peer.cpus import parse_cpus
+    from dsd.node.testnet.link_profiles import build_link
     from dsd.node.testnet.swarm import SwarmSpec
 
+    cpus = parse_cpus(peer_cpus) if isinstance(peer_cpus, str) else None if peer_cpus is None else frozenset(peer_cpus)
     return swarm(SwarmSpec(state=state_dir, store=store, peers=peers, record_ttl_s=60.0, timeout_s=timeout_s,
-                           link=LinkProfile.from_options(latency_ms), replicas=replicas, faults=list(faults),
-                           threads=threads))
+                           link=build_link(link_profile, latency_ms), link_name=link_profile,
+                           peer_profiles=list(peer_profiles), peer_cpus=cpus, replicas=replicas,
+                           faults=list(faults), threads=threads))
 
 
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:

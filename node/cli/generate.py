@@ -11,6 +11,7 @@ from dsd.node.head.modes import MODE_HELP, MODES
 
 from .options import (
     add_audit_options,
+    add_cpus_option,
     add_deadline_options,
     add_device_options,
     add_head_options,
@@ -20,6 +21,7 @@ from .options import (
     deadline_rule,
     fail,
     link_profile,
+    pin_head_process,
 )
 from .store import add_fetch_options, fetched_store
 
@@ -46,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tree-nodes", type=_tree_nodes, default=None, metavar="N|auto", help="drafted nodes of a token-tree window (at most 63; default auto: the window controller picks a tree or a chain from measured round times and acceptance; 0 = always chains); trees need a draft model (block peers and federated workers both run them)")
     p.add_argument("--blocks", default=None, metavar="A:B", help="layers the head serves itself, the model's first (0:B) or last (A:L) ones, from its --store (which must hold those layer files): the route covers the others, one peer and one link crossing fewer (not with --federated)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on the head (default torch's, or one per --cpus CPU)")
+    add_cpus_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     add_device_options(p)
     add_wan_options(p)
@@ -133,6 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dsd.shard_store import Store, StoreError
     from dsd.shard_store.devices import resolve_placement
 
+    pin_head_process(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.federated and args.mode == "ar":

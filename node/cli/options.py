@@ -1,4 +1,5 @@
-"""Options several commands share: the emulated WAN, device and dtype, the allow list, the default identity file."""
+"""Options several commands share: the emulated WAN, CPU pinning, device and dtype, the allow list, the default
+identity file."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsd.node.peer.cpus import parse_cpus, pin_head
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.audit_rules import DEFAULT_AUDIT_RATE, DEFAULT_AUDIT_TOLERANCE
+from dsd.node.testnet.link_profiles import PROFILES, build_link
 from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store.manifest import STORE_DTYPES
 
@@ -17,12 +20,28 @@ if TYPE_CHECKING:
 DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"
 
 
-def add_wan_options(p: argparse.ArgumentParser) -> None:
-    """The emulated-WAN options shared by every command that sends frames."""
-    g = p.add_argument_group("emulated WAN (off by default)")
-    g.add_argument("--wan-latency-ms", type=float, default=0.0, metavar="MS", help="one-way latency added to every frame this process sends")
-    g.add_argument("--wan-jitter-ms", type=float, default=0.0, metavar="MS", help="uniform jitter (± MS, at most the latency)")
-    g.add_argument("--wan-mbit", type=float, default=None, metavar="MBIT", help="bandwidth cap of each link in megabit/s")
+def add_wan_options(p: argparse.ArgumentParser, sender: str = "this process") -> argparse._ArgumentGroup:
+    """The emulated-WAN options shared by every command that sends frames (sent by `sender`): a named profile,
+    or its fields; returns their group (a command adds its own there)."""
+    g = p.add_argument_group("emulated WAN (off by default; docs/link_profiles.md)")
+    g.add_argument("--link-profile", choices=tuple(PROFILES), default=None, metavar="NAME", help=f"a named link for the frames sent by {sender}: {'; '.join(f'{n} = {q.emulates}' for n, q in PROFILES.items())}. A --wan-* option given with it overrides that field")
+    g.add_argument("--wan-latency-ms", type=float, default=None, metavar="MS", help=f"one-way latency added to each frame sent by {sender} (default 0, or the --link-profile's)")
+    g.add_argument("--wan-jitter-ms", type=float, default=None, metavar="MS", help="uniform jitter (± MS, at most the latency; default 0, or the --link-profile's)")
+    g.add_argument("--wan-mbit", type=float, default=None, metavar="MBIT", help="bandwidth cap of each link in megabit/s (default unlimited, or the --link-profile's; 0 = unlimited)")
+    return g
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """argparse type of a CPU list (`1`, `1-3`, `0,2-3`), checked against the CPUs this process may use."""
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_cpus_option(p: argparse.ArgumentParser) -> None:
+    """`--cpus LIST`: the head process runs on these CPUs only, with one torch thread each unless --threads."""
+    p.add_argument("--cpus", type=cpu_list, default=None, metavar="LIST", help="pin this process to these CPUs (e.g. 0 or 0-1 or 0,2), with one torch thread per CPU unless --threads says otherwise: on one box, keeps the head's drafting off the cores the peers run on (testnet up --peer-cpus)")
 
 
 # Spelled out so `--help` loads no torch; tests check they match dsd.shard_store.devices.
@@ -72,11 +91,18 @@ def deadline_rule(args: argparse.Namespace) -> DeadlineRule:
 
 
 def link_profile(args: argparse.Namespace) -> LinkProfile:
-    """The `--wan-*` options as a link profile; a bad combination exits with one line."""
+    """`--link-profile` and the `--wan-*` options (each overriding its field) as a link; a bad combination exits
+    with one line."""
     try:
-        return LinkProfile.from_options(args.wan_latency_ms, args.wan_jitter_ms, args.wan_mbit)
+        return build_link(args.link_profile, args.wan_latency_ms, args.wan_jitter_ms, args.wan_mbit)
     except ValueError as exc:
         raise SystemExit(f"dsd-node: bad WAN option: {exc}") from None
+
+
+def pin_head_process(args: argparse.Namespace) -> None:
+    """With `--cpus`: pin this process to them and set `args.threads` (torch threads) to one per CPU unless given."""
+    if args.cpus is not None:
+        args.threads = pin_head(args.cpus, args.threads)
 
 
 def read_allow_list(path: Path | None) -> set[str] | None:

@@ -21,6 +21,7 @@ from dsd.node.service.defaults import (
 from .generate import _tree_nodes
 from .options import (
     add_audit_options,
+    add_cpus_option,
     add_deadline_options,
     add_device_options,
     add_head_options,
@@ -30,6 +31,7 @@ from .options import (
     deadline_rule,
     fail,
     link_profile,
+    pin_head_process,
 )
 from .store import add_fetch_options, fetched_store
 
@@ -59,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refresh", type=float, default=DEFAULT_REFRESH_S, metavar="S", help=f"survey the swarm every S seconds (default {DEFAULT_REFRESH_S:g}; also when a route fails)")
     p.add_argument("--identity", type=Path, default=None, help="the head's key file (default: a new identity each start)")
     p.add_argument("--ready-file", type=Path, default=None, help="write {url, model, peer_id, pid} as JSON here once listening")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on the head")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on the head (default torch's, or one per --cpus CPU)")
+    add_cpus_option(p)
     add_device_options(p)
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
@@ -85,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         place = resolve_placement(args.device, args.dtype)  # one line and no loading when the device is not there
     except StoreError as exc:
         return fail(str(exc))
+    pin_head_process(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.max_concurrent < 1 or args.queue < 0 or args.max_per_client < 0 or not 0 <= args.port <= 65535:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dsd.node.server.faults import MODES
 
-from .options import add_device_options, add_wan_options, fail, link_profile
+from .options import add_device_options, add_wan_options, cpu_list, fail, link_profile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="every worker's K cap")
     fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16")
     add_device_options(up)
-    add_wan_options(up)
+    wan = add_wan_options(up, sender="the testnet's daemons")
+    wan.add_argument("--peer-profile", action="append", default=[], metavar="INDEX:NAME", help="block peer (or federated worker) INDEX, 0-based, sends on the named link profile instead (repeatable: a heterogeneous swarm); it gets that profile's own numbers, not the --wan-* overrides (paper: the swarm's latency)")
+    up.add_argument("--peer-cpus", type=cpu_list, default=None, metavar="LIST", help="pin the bootstrap and every peer to these CPUs (e.g. 1 or 1-3 or 1,2); with generate/serve --cpus on the others, the head drafts on cores of its own (default: anywhere)")
     up.set_defaults(func=cmd_up)
 
     down = tsub.add_parser("down", help="stop every process of the testnet")
@@ -65,6 +67,7 @@ def spec_of(args: argparse.Namespace):
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
         device=args.device, dtype=args.dtype, metrics=args.metrics,
         fork_program=args.program if args.spawn == "fork" else None, faults=args.faulty,
+        link_name=args.link_profile, peer_profiles=args.peer_profile, peer_cpus=args.peer_cpus,
     )
 
 
@@ -80,13 +83,32 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(state_report(state), indent=2))
     else:
-        print(f"testnet up in {state.up_seconds:.1f} s: bootstrap {state.bootstrap}")
+        print(f"testnet up in {state.up_seconds:.1f} s: bootstrap {state.bootstrap}; {_swarm_line(state)}")
         for p in state.peers[1:]:
             what = "federated worker" if p.role == "federated" else "blocks"
-            lies = f"  faulty {p.fault}" if p.fault else ""
-            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}{lies}")
+            print(f"  {p.name}  {what} {p.start}:{p.end}  pid {p.pid}  {p.multiaddr}{_peer_extras(state, vars(p))}")
         print(f"state in {args.state}; stop with: dsd-node testnet down --state {args.state}")
     return 0
+
+
+def _swarm_line(state) -> str:
+    """The swarm's common link and the CPUs its daemons are pinned to, for `up` and `status`."""
+    from dsd.node.peer.cpus import format_cpus
+    from dsd.node.testnet.link_profiles import describe
+
+    cpus = f"  peer cpus {format_cpus(state.peer_cpus)}" if state.peer_cpus else ""
+    return f"link {describe(state.wan)}{cpus}"
+
+
+def _peer_extras(state, p: dict) -> str:
+    """What sets one daemon apart: its CPUs when pinned, its link when not the swarm's, its fault."""
+    from dsd.node.peer.cpus import format_cpus
+    from dsd.node.testnet.link_profiles import describe
+
+    cpus = f"  cpus {format_cpus(p['cpus'])}" if state.peer_cpus and p.get("cpus") else ""
+    link = f"  link {describe(p['link'])}" if p.get("link") and p["link"] != state.wan else ""
+    lies = f"  faulty {p['fault']}" if p.get("fault") else ""
+    return f"{cpus}{link}{lies}"
 
 
 def _load(state_dir: Path):
@@ -122,9 +144,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
     else:
-        print(f"bootstrap {state.bootstrap}  model {state.model}  wan {state.wan}")
+        print(f"bootstrap {state.bootstrap}  model {state.model}  {_swarm_line(state)}")
         for p in d["peers"]:
             span = "" if p["start"] is None else f"blocks {p['start']}:{p['end']}"
-            lies = f"  faulty {p['fault']}" if p.get("fault") else ""
-            print(f"  {p['name']:10s} {'up  ' if p['alive'] else 'DOWN'} pid {p['pid']:<8d} {span:14s} {p['peer_id']}{lies}")
+            print(f"  {p['name']:10s} {'up  ' if p['alive'] else 'DOWN'} pid {p['pid']:<8d} {span:14s} {p['peer_id']}"
+                  f"{_peer_extras(state, p)}")
     return 0 if all(p["alive"] for p in d["peers"]) else 1

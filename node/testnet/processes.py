@@ -42,6 +42,8 @@ class PeerProcess:
     metrics_url: str | None = None  # with `testnet up --metrics`: its Prometheus endpoint
     started: int | None = None  # the kernel's start time of the process (clock ticks): tells it from a reused pid
     fault: str | None = None  # with `testnet up --faulty INDEX:MODE`: how this block peer lies on purpose
+    cpus: list[int] | None = None  # the CPUs the kernel let it run on once started (pinned by `--peer-cpus`)
+    link: dict | None = None  # the link it sends on: {"profile", "latency_ms", "jitter_ms", "mbit"}
 
     @classmethod
     def from_dict(cls, d: dict) -> PeerProcess:
@@ -58,7 +60,8 @@ class TestnetState:
     store: str | None
     num_layers: int | None
     peers: list[PeerProcess] = field(default_factory=list)
-    wan: dict = field(default_factory=dict)
+    wan: dict = field(default_factory=dict)  # every daemon's link unless its own says otherwise (a link record)
+    peer_cpus: list[int] | None = None  # `--peer-cpus`: what the bootstrap and every peer are pinned to
     started_at: float = field(default_factory=time.time)
     up_seconds: float = 0.0
 

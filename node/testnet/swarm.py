@@ -17,10 +17,12 @@ from pathlib import Path
 
 import trio
 
+from dsd.node.peer.cpus import affinity_of, check_cpus, children_pinned
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.server.faults import parse_fault
 from dsd.shard_store.manifest import Manifest
 
+from .link_profiles import link_record, parse_peer_profiles, peer_link
 from .processes import (
     PeerProcess,
     TestnetState,
@@ -50,7 +52,10 @@ class SwarmSpec:
     codec: str = "auto"
     record_ttl_s: float = 30.0
     timeout_s: float = 180.0
-    link: LinkProfile = field(default_factory=LinkProfile)
+    link: LinkProfile = field(default_factory=LinkProfile)  # what every daemon sends on, unless peer_profiles says
+    link_name: str | None = None  # the named profile `link` was built from (recorded; None: none named)
+    peer_profiles: list[str] = field(default_factory=list)  # "INDEX:NAME": that peer sends on another named profile
+    peer_cpus: frozenset[int] | None = None  # the bootstrap and every peer run on these CPUs only (None: anywhere)
     federated: bool = False
     worker_stores: list[Path] = field(default_factory=list)  # federated: one worker each (default: store)
     topk_cap: int | None = None
@@ -93,19 +98,28 @@ class _Launch:
     def left(self) -> float:
         return max(1.0, self.spec.timeout_s - (time.monotonic() - self.t0))
 
-    def spawn(self, name: str, args: list[str]) -> PeerProcess:
-        """Start one daemon: forked from this process after the bootstrap with `fork_program`, else a new interpreter."""
+    def spawn(self, name: str, args: list[str], link: tuple[str, LinkProfile] | None = None) -> PeerProcess:
+        """Start one daemon sending on `link` (named; default the spec's) and pinned to the spec's CPUs: forked
+        from this process after the bootstrap with `fork_program`, else a new interpreter."""
+        link_name, profile = link or (self.spec.link_name, self.spec.link)
         common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
-                  "--ready-file", str(self.ready_dir / f"{name}.json"), *self.spec.link.cli_args(),
+                  "--ready-file", str(self.ready_dir / f"{name}.json"), *profile.cli_args(),
                   "--device", self.spec.device, "--dtype", self.spec.dtype,
                   *(["--metrics-port", "0"] if self.spec.metrics else [])]
         program = self.spec.fork_program
-        if program is not None and self.started:
-            proc = fork_daemon(name, [*args, *common], self.spec.state, program)
-        else:
-            proc = spawn(name, [*args, *common], self.spec.state)
+        with children_pinned(self.spec.peer_cpus):
+            if program is not None and self.started:
+                proc = fork_daemon(name, [*args, *common], self.spec.state, program)
+            else:
+                proc = spawn(name, [*args, *common], self.spec.state)
+        proc.cpus, proc.link = affinity_of(proc.pid), link_record(link_name, profile)
         self.started.append(proc)
         return proc
+
+    def recorded(self) -> dict:
+        """What the state records of the whole swarm besides its processes: the common link, the peers' CPUs."""
+        cpus = self.spec.peer_cpus
+        return {"wan": link_record(self.spec.link_name, self.spec.link), "peer_cpus": sorted(cpus) if cpus else None}
 
     def bootstrap(self) -> PeerProcess:
         """Start the bootstrap node (light: no torch) and, while it starts, import what forked daemons load."""
@@ -137,6 +151,11 @@ class _Launch:
 def bring_up(spec: SwarmSpec) -> TestnetState:
     """Start the processes, wait until a head can use the swarm, return the state (stopping all on failure)."""
     faults = peer_faults(spec)
+    if spec.peer_cpus is not None:
+        try:
+            check_cpus(spec.peer_cpus)
+        except ValueError as exc:
+            raise SwarmError(f"--peer-cpus: {exc}") from None
     if spec.federated:
         stores = spec.worker_stores or ([spec.store] if spec.store else [])
         if not stores:
@@ -148,12 +167,13 @@ def bring_up(spec: SwarmSpec) -> TestnetState:
         raise SwarmError("testnet up needs --store")
     elif spec.peers < 1 or spec.replicas < 1 or spec.peers % spec.replicas:
         raise SwarmError("--peers must be a positive multiple of --replicas")
+    links = peer_links(spec, len(stores) if spec.federated else spec.peers)
     launch = _Launch(spec)
     try:
         boot = launch.bootstrap()
         if spec.federated:
-            return _up_workers(launch, boot, stores, next(iter(vocabs.values())))
-        return _up_blocks(launch, boot, faults)
+            return _up_workers(launch, boot, stores, next(iter(vocabs.values())), links)
+        return _up_blocks(launch, boot, faults, links)
     except BaseException:
         stop_processes(list(reversed(launch.started)))
         raise
@@ -190,7 +210,18 @@ def peer_faults(spec: SwarmSpec) -> dict[int, str]:
     return faults
 
 
-def _up_blocks(launch: _Launch, boot: PeerProcess, faults: dict[int, str]) -> TestnetState:
+def peer_links(spec: SwarmSpec, count: int) -> dict[int, tuple[str, LinkProfile]]:
+    """`--peer-profile INDEX:NAME` values as {peer index: (name, link)} for `count` peers (`paper` taking the
+    swarm's latency); SwarmError for a bad form, index or name."""
+    try:
+        names = parse_peer_profiles(spec.peer_profiles, count)
+    except ValueError as exc:
+        raise SwarmError(str(exc)) from None
+    return {i: (name, peer_link(name, spec.link.latency_s * 1000)) for i, name in names.items()}
+
+
+def _up_blocks(launch: _Launch, boot: PeerProcess, faults: dict[int, str],
+               links: dict[int, tuple[str, LinkProfile]]) -> TestnetState:
     spec = launch.spec
     assert spec.store is not None
     manifest = Manifest.read(spec.store)
@@ -202,15 +233,16 @@ def _up_blocks(launch: _Launch, boot: PeerProcess, faults: dict[int, str]) -> Te
             "start", "--store", str(spec.store), "--blocks", f"{start}:{end}", "--bootstrap", boot.multiaddr,
             "--threads", str(spec.threads), "--codec", spec.codec, "--record-ttl", str(spec.record_ttl_s),
             *(["--faulty", faults[i]] if i in faults else []),
-        ])
+        ], links.get(i))
         proc.start, proc.end, proc.fault = start, end, faults.get(i)
     launch.await_peers()
     state = TestnetState(bootstrap=boot.multiaddr, model=manifest.model_id, store=str(spec.store),
-                         num_layers=num_layers, peers=launch.started, wan=spec.link.as_dict())
+                         num_layers=num_layers, peers=launch.started, **launch.recorded())
     return launch.record_up(state, lambda left: trio.run(_wait_route, state, left))
 
 
-def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: int) -> TestnetState:
+def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: int,
+                links: dict[int, tuple[str, LinkProfile]]) -> TestnetState:
     from dsd.node.federated.pool import pool_key
 
     spec = launch.spec
@@ -220,11 +252,11 @@ def _up_workers(launch: _Launch, boot: PeerProcess, stores: list[Path], vocab: i
             "start", "--federated", "--store", str(store), "--bootstrap", boot.multiaddr,
             "--threads", str(spec.threads), "--record-ttl", str(spec.record_ttl_s), "--topk-codec", spec.topk_codec,
             *extra,
-        ])
+        ], links.get(i))
         proc.role = "federated"
     launch.await_peers()
     state = TestnetState(bootstrap=boot.multiaddr, model=pool_key(vocab), store=",".join(str(s) for s in stores),
-                         num_layers=None, peers=launch.started, wan=spec.link.as_dict())
+                         num_layers=None, peers=launch.started, **launch.recorded())
     return launch.record_up(state, lambda left: trio.run(_wait_workers, state, vocab, left))
 
 
