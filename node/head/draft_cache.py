@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsd.shard_store.families import FAMILIES, FamilyAdapter, adapter_for
+from dsd.shard_store.families import FAMILIES, FamilyAdapter
 
 
 class DraftCache:
@@ -176,8 +176,8 @@ class DraftCache:
                     visible[i, self._ancestors(c)] = True
                     break
         config = self.model.config
-        kinds = set(adapter_for(str(config.model_type)).layer_kinds(config)) if config.model_type in FAMILIES else set()
-        masks = {kind: visible for kind in kinds or {"full_attention"}}
+        adapter = FAMILIES.get(str(config.model_type))  # a draft of another family: one full mask
+        masks = dict.fromkeys(set(adapter.layer_kinds(config)) if adapter else {"full_attention"}, visible)
         if "sliding_attention" in masks:
             q = torch.tensor(depths)
             k = torch.cat([torch.tensor(self.depths, dtype=torch.long), q])
