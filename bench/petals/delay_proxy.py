@@ -20,8 +20,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 CHUNK = 1 << 16
@@ -223,6 +227,19 @@ async def serve(maps: Sequence[tuple[Address, Address]], delay_s: float) -> None
             await p.close()
 
 
+def provenance(argv: Sequence[str]) -> dict[str, Any]:
+    """What a committed measurement carries: its command, the checkout's commit and the date (standard library
+    only: this file also runs under the Petals venv)."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"command": " ".join(["python3 bench/petals/delay_proxy.py", *argv]), "commit": commit,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu_count": os.cpu_count()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """serve / measure."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,7 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--bytes", type=int, default=64)
     args = p.parse_args(argv)
     if args.cmd == "measure":
-        print(json.dumps(measure([float(x) for x in args.delays_ms.split(",")], args.rounds, args.bytes), indent=1))
+        load_before = os.getloadavg()
+        result = measure([float(x) for x in args.delays_ms.split(",")], args.rounds, args.bytes)
+        print(json.dumps({**provenance(argv if argv is not None else sys.argv[1:]), "load_before": load_before,
+                          "load_after": os.getloadavg(), **result}, indent=1))
         return 0
     try:
         maps = [(parse_address(a), parse_address(b)) for a, _, b in (m.partition("=") for m in args.map)]
