@@ -227,7 +227,7 @@ async def serve(maps: Sequence[tuple[Address, Address]], delay_s: float) -> None
             await p.close()
 
 
-def provenance(argv: Sequence[str]) -> dict[str, Any]:
+def provenance(script: str, argv: Sequence[str]) -> dict[str, Any]:
     """What a committed measurement carries: its command, the checkout's commit and the date (standard library
     only: this file also runs under the Petals venv)."""
     repo = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def provenance(argv: Sequence[str]) -> dict[str, Any]:
                                 check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return {"command": " ".join(["python3 bench/petals/delay_proxy.py", *argv]), "commit": commit,
+    return {"command": " ".join([script, *argv]), "commit": commit,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu_count": os.cpu_count()}
 
 
@@ -256,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "measure":
         load_before = os.getloadavg()
         result = measure([float(x) for x in args.delays_ms.split(",")], args.rounds, args.bytes)
-        print(json.dumps({**provenance(argv if argv is not None else sys.argv[1:]), "load_before": load_before,
+        print(json.dumps({**provenance("python3 bench/petals/delay_proxy.py", argv if argv is not None else sys.argv[1:]),
+                          "load_before": load_before,
                           "load_after": os.getloadavg(), **result}, indent=1))
         return 0
     try:

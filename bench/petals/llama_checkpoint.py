@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from delay_proxy import provenance
 from setup import default_venv
 from smoke import PROMPT as SMOKE_PROMPT
 
@@ -333,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         out = convert(args.source, args.out, args.force)[0]
         print(json.dumps({"llama_dir": str(out)}))
     else:
-        print(json.dumps(check(args)))
+        load_before = os.getloadavg()
+        result = check(args)
+        shown = [a if not Path(a).is_absolute() else f"<{Path(a).name}>" for a in (argv or sys.argv[1:])]
+        print(json.dumps({**provenance("python bench/petals/llama_checkpoint.py", shown), "load_before": load_before,
+                          "load_after": os.getloadavg(), **result}, indent=1))
     return 0
 
 
