@@ -353,9 +353,17 @@ def run(opts: CompareOptions, command: str) -> dict[str, Any]:
                    "machine": machine_info()}
         setting["provenance"].setdefault("stretches", []).append(stretch)  # one per (re)start: where each part ran
         write_json(path, results)
-        started = time.perf_counter()
-        run_setting(opts, setting, target, setup, workload, eos, stops, llama, python, lambda: write_outputs(results, path))
-        setting["wall_s"] = round(setting.get("wall_s", 0.0) + time.perf_counter() - started, 1)
+        started, before = time.perf_counter(), setting.get("wall_s", 0.0)
+
+        def save(setting: dict[str, Any] = setting, stretch: dict[str, Any] = stretch, before: float = before,
+                 started: float = started) -> None:
+            """Write everything, this stretch's time included (a killed stretch keeps what it ran)."""
+            stretch["wall_s"] = round(time.perf_counter() - started, 1)
+            setting["wall_s"] = round(before + stretch["wall_s"], 1)
+            write_outputs(results, path)
+
+        run_setting(opts, setting, target, setup, workload, eos, stops, llama, python, save)
+        save()
         setting["provenance"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_outputs(results, path)
     log(f"wrote {path}")
