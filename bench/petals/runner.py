@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm import ISOLATED_FLAG, PetalsSwarm, bring_up_loopback, run_isolated, split_blocks
+from swarm import PetalsSwarm, bring_up_loopback, isolated_argv, run_isolated, split_blocks
 
 
 def answer(obj: dict[str, Any]) -> None:
@@ -119,9 +119,7 @@ def serve(args: argparse.Namespace, work: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Re-run inside an isolated namespace, or (inside) serve."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    inside = ISOLATED_FLAG in argv
-    argv = [a for a in argv if a != ISOLATED_FLAG]
+    inside, argv = isolated_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="a Llama folder Petals serves")
     p.add_argument("--servers", type=int, default=4)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from swarm import ISOLATED_FLAG, PetalsSwarm, bring_up_loopback, run_isolated, split_blocks
+from swarm import PetalsSwarm, bring_up_loopback, isolated_argv, run_isolated, split_blocks
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3]  # ids valid in the tiny vocabulary (and any real one)
 
@@ -97,9 +96,7 @@ def smoke(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Re-run inside an isolated namespace, or (inside) run the check and print its JSON."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    inside = ISOLATED_FLAG in argv
-    argv = [a for a in argv if a != ISOLATED_FLAG]
+    inside, argv = isolated_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="a Llama folder (default: a tiny random Llama)")
     p.add_argument("--tokens", type=int, default=8, help="greedy tokens to compare")

@@ -26,6 +26,12 @@ DELAY_PROXY = Path(__file__).resolve().parent / "delay_proxy.py"
 PUSH_FIX = Path(__file__).resolve().parent / "push_fix.py"
 
 
+def isolated_argv(argv: Sequence[str] | None) -> tuple[bool, list[str]]:
+    """(whether this is the re-run inside the namespace, the arguments without the flag that says so)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return ISOLATED_FLAG in args, [a for a in args if a != ISOLATED_FLAG]
+
+
 def run_isolated(script: str, argv: Sequence[str]) -> int:
     """Re-run `script argv` with this python in a fresh network namespace that has only loopback; its exit code."""
     unshare = ["unshare", "--net"] if os.geteuid() == 0 else ["unshare", "--net", "--map-root-user"]
