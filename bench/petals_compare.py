@@ -32,21 +32,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dsd_sweep import PROBLEMS, SweepOptions, link_latency_ms, log, run_prompt
+from dsd_sweep import PROBLEMS, SweepOptions, link_latency_ms, run_prompt
 from harness import (
     MODEL_KINDS,
     RESULTS_DIR,
     comma_list,
     command_line,
     git_commit,
-    machine_info,
     plan_once,
     run_metadata,
     testnet,
     today,
     write_json,
 )
-from sweep_model import bootstrap_median, decode_tokens_per_s, paired_ratios, ratio_summary
+from sweep_model import decode_tokens_per_s, paired_ratios, ratio_summary
+from sweep_provenance import StretchClock, log, machine_record
+from sweep_report import fmt_interval
 from sweep_setup import Workload, load_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "petals"))
@@ -173,8 +174,7 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
             groups: dict[str, list[float]] = {}
             for r in mine:
                 groups.setdefault(r["task_id"], []).append(value(r))
-            med, lo, hi = bootstrap_median(list(groups.values()), draws=4000)
-            row[name] = {"median": med, "ci95": [lo, hi]}
+            row[name] = ratio_summary(list(groups.values()))  # median, 95 % CI with its Monte-Carlo error
         same = [r["cut_tokens"] == refs[r["task_id"]] for r in mine]
         row["identical_to_reference"] = f"{sum(same)}/{len(same)}"
         out["modes"][mode] = row
@@ -198,11 +198,11 @@ def markdown(results: dict[str, Any]) -> str:
                   "| mode | tok/s median [95 % CI] | decode tok/s [95 % CI] | = target's greedy |", "|---|---|---|---|"]
         for mode, row in summ["modes"].items():
             tps, dec = row["tokens_per_s"], row["decode_tokens_per_s"]
-            lines.append(f"| {mode} | {tps['median']:.3g} [{tps['ci95'][0]:.3g}, {tps['ci95'][1]:.3g}] | "
-                         f"{dec['median']:.3g} [{dec['ci95'][0]:.3g}, {dec['ci95'][1]:.3g}] | "
+            lines.append(f"| {mode} | {tps['median']:.2f} {fmt_interval(*tps['ci95'], tps.get('ci95_mc'))} | "
+                         f"{dec['median']:.2f} {fmt_interval(*dec['ci95'], dec.get('ci95_mc'))} | "
                          f"{row['identical_to_reference']} |")
         lines += ["", "| paired ratio | median [95 % CI] | pairs |", "|---|---|---|"]
-        lines += [f"| {k} | {r['median']:.3g} [{r['ci95'][0]:.3g}, {r['ci95'][1]:.3g}] | {r['pairs']} |"
+        lines += [f"| {k} | {r['median']:.2f}× {fmt_interval(*r['ci95'], r.get('ci95_mc'))} | {r['pairs']} |"
                   for k, r in summ["ratios"].items()]
         if "probe" in st:
             pr = st["probe"]
@@ -350,16 +350,14 @@ def run(opts: CompareOptions, command: str) -> dict[str, Any]:
             log(f"[{key}] t0 {t0 * 1000:.1f} ms over {layers} layers: t1 {setting['latency_ms']:.0f} ms")
         setting["reference"].update({p["task_id"]: refs[p["task_id"]] for p in workload.problems})
         stretch = {"commit": git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_before": os.getloadavg(),
-                   "machine": machine_info()}
+                   "machine": machine_record()}
         setting["provenance"].setdefault("stretches", []).append(stretch)  # one per (re)start: where each part ran
         write_json(path, results)
-        started, before = time.perf_counter(), setting.get("wall_s", 0.0)
+        clock = StretchClock(setting, stretch)  # the stretch's time saved with every prompt (a killed one keeps it)
 
-        def save(setting: dict[str, Any] = setting, stretch: dict[str, Any] = stretch, before: float = before,
-                 started: float = started) -> None:
-            """Write everything, this stretch's time included (a killed stretch keeps what it ran)."""
-            stretch["wall_s"] = round(time.perf_counter() - started, 1)
-            setting["wall_s"] = round(before + stretch["wall_s"], 1)
+        def save(clock: StretchClock = clock) -> None:
+            """Write everything, this stretch's time included."""
+            clock.tick()
             write_outputs(results, path)
 
         run_setting(opts, setting, target, setup, workload, eos, stops, llama, python, save)

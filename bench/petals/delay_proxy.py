@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -228,15 +227,12 @@ async def serve(maps: Sequence[tuple[Address, Address]], delay_s: float) -> None
 
 
 def provenance(script: str, argv: Sequence[str]) -> dict[str, Any]:
-    """What a committed measurement carries: its command, the checkout's commit and the date (standard library
-    only: this file also runs under the Petals venv)."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"command": " ".join([script, *argv]), "commit": commit,
+    """What a committed measurement carries: its command, the checkout's commit (the benchmarks' own
+    `harness.git_commit`, standard library only like this file, which also runs under the Petals venv) and the date."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from harness import git_commit
+
+    return {"command": " ".join([script, *argv]), "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu_count": os.cpu_count()}
 
 
