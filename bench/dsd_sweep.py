@@ -28,29 +28,26 @@ completed with the same options (the grid can reuse the headline run instead of 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from harness import (
-    MODEL_KINDS,
-    RESULTS_DIR,
-    comma_list,
     command_line,
     git_commit,
     plan_once,
     run_generation,
     run_metadata,
     testnet,
-    today,
 )
-from sweep_model import CHAIN, MODES, SERIAL, base_mode, summarize
+from sweep_model import CHAIN, SERIAL, base_mode, summarize
+from sweep_options import CALIBRATION_PROBLEMS, SweepOptions, parse_args
+from sweep_placement import Placement
 from sweep_provenance import (
     StretchClock,
     log,
@@ -59,7 +56,6 @@ from sweep_provenance import (
     now_stamp,
     option_mismatch,
     set_apart,
-    setting_key,
     setting_options,
 )
 from sweep_report import markdown_table, write_outputs
@@ -77,52 +73,19 @@ from sweep_setup import (
 from dsd.node.head.verify import cut_at_stop
 from dsd.node.testnet.workload import HUMANEVAL_STOPS
 
-# Fixed before any run: 10 problems spread evenly over HumanEval's 164 (i·164/10, rounded down).
-PROBLEMS = (0, 16, 32, 49, 65, 82, 98, 114, 131, 147)
-# Held out for calibrating the draft's acceptance (never benchmarked).
-CALIBRATION_PROBLEMS = (1, 3, 5)
-DEFAULT_MODES = ("ar", "sd", "dsd")
-
 
 def cut_completion(text: str, stops: Sequence[str] = HUMANEVAL_STOPS) -> str:
     """The completion up to (not including) the first stop sequence, as HumanEval scores it."""
     return cut_at_stop(text, stops)[0]
 
 
-@dataclass
-class SweepOptions:
-    """One sweep: the models, the (N, t1/t0) settings, the prompts, modes and repetitions, and where results go."""
-
-    models: str = "real"  # real: the default pair; tiny: a random target drafting for itself
-    peers: list[int] = field(default_factory=lambda: [3, 4, 8])
-    ratios: list[float] = field(default_factory=lambda: [3.0, 5.0, 10.0])
-    problems: list[int] = field(default_factory=lambda: list(PROBLEMS))
-    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
-    reps: int = 3
-    max_new_tokens: int = 128
-    tau_max: float = 0.0
-    draft_quant: str = "none"
-    branches: int = 8
-    pipeline: int = 2
-    tree_nodes: int | None = None  # None: the controller decides; 0: chains only
-    exec_timeout: float = 5.0
-    name: str = "dsd_sweep"
-    results: Path | None = None
-    merge: list[Path] = field(default_factory=list)
-    state: Path = Path(".dsd/bench")
-
-    @property
-    def stem(self) -> Path:
-        """The results files' path without suffix: `results`, else bench/results/<name>-<date>."""
-        return self.results.with_suffix("") if self.results else RESULTS_DIR / f"{self.name}-{today()}"
-
-
 # --- calibration (before the runs) ---------------------------------------------------------------
 
 
-def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup: Any, workload: Workload,
+def calibrate(opts: SweepOptions, peers: int, ratio: float | None, target: Path, setup: Any, workload: Workload,
               acceptance: dict[str, Any]) -> dict[str, Any]:
-    """Everything the timing model needs, measured before the setting's testnet starts."""
+    """Everything the timing model needs, measured before the setting's testnet starts; `ratio` None: the link
+    profile fixes t1, and t1/t0 is what t0 makes of it."""
     from dsd.node.testnet.calibrate import measure_t0
     from dsd.shard_store import Store
 
@@ -130,16 +93,18 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup:
     layers = math.ceil(store.num_layers / peers)  # the largest span of an even split is the one routed slowest
     t0 = measure_t0(store, layers)
     prompt = workload.ids(workload.problems[0])
+    latency = opts.fixed_latency_ms if ratio is None else link_latency_ms(ratio, t0)
+    assert latency is not None
     cal = {
-        "peers": peers, "ratio": ratio, "layers_per_peer": layers, "t0_s": t0,
+        "peers": peers, "ratio": latency / (t0 * 1000) if ratio is None else ratio, "layers_per_peer": layers, "t0_s": t0,
         "t0_window_s": {str(k): v for k, v in measure_step_table(store, layers).items()},
         "head_window_s": {str(k): v for k, v in measure_head_table(setup.head).items()},
-        "latency_ms": link_latency_ms(ratio, t0),
+        "latency_ms": latency,
         "draft_s_per_token": measure_draft_step(setup.drafter, prompt),
         "branch_step_s": measure_branch_step(setup.drafter, prompt),
         **acceptance,
     }
-    log(f"[N={peers} t1/t0={ratio:g}] t0 {t0 * 1000:.1f} ms over {layers} layers, t1 {cal['latency_ms']:.1f} ms, "
+    log(f"[N={peers} t1/t0={cal['ratio']:g}] t0 {t0 * 1000:.1f} ms over {layers} layers, t1 {cal['latency_ms']:.1f} ms, "
         f"draft {cal['draft_s_per_token'] * 1000:.1f} ms/token, branch step {cal['branch_step_s'] * 1000:.1f} ms, "
         f"α {cal['alpha']:.2f}, alt hit {cal['alt_hit']:.2f}")
     return cal
@@ -149,14 +114,18 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float, target: Path, setup:
 
 
 async def run_prompt(swarm: Any, legs: Any, hops: list[Any], setup: Any, workload: Workload, problem: dict[str, Any],
-                     rep: int, opts: SweepOptions, eos: frozenset[int]) -> list[dict[str, Any]]:
-    """Every mode in turn on one prompt over the same route; a failure is recorded with its mode and ends the prompt."""
+                     rep: int, opts: SweepOptions, eos: frozenset[int], placement: Placement | None = None,
+                     ) -> list[dict[str, Any]]:
+    """Every mode in turn on one prompt over the same route, each placed as `placement` says (a `-shared` mode:
+    the head on every CPU); a failure is recorded with its mode and ends the prompt."""
     from dsd.node.head.config import GenerationConfig
     from dsd.node.head.sampling import SamplingParams
+    from dsd.protocol import WireFormat
 
     real = opts.models == "real"  # random tiny models write no code: no stop strings, no pass@1
     prompt = workload.ids(problem)
     out: list[dict[str, Any]] = []
+    wire = None if opts.codec == "auto" and not opts.zstd else WireFormat(opts.codec, opts.zstd)
     for mode in opts.modes:
         cfg = GenerationConfig(
             mode=base_mode(mode), max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
@@ -164,12 +133,14 @@ async def run_prompt(swarm: Any, legs: Any, hops: list[Any], setup: Any, workloa
             branches=opts.branches, tree_nodes=0 if mode.endswith(CHAIN) else opts.tree_nodes,
             pipeline=1 if mode.endswith(SERIAL) else opts.pipeline,
         )
-        mode_setup = replace(setup, drafter=None) if mode == "ar" else setup
+        mode_setup = replace(setup, drafter=None) if base_mode(mode) == "ar" else setup
         if mode_setup.drafter is not None:
             mode_setup.drafter.reset()  # no mode inherits another's draft cache
         run: dict[str, Any] = {"task_id": problem["task_id"], "rep": rep, "mode": mode, "prompt_tokens": len(prompt)}
+        if placement is not None and (cpus := placement.apply(mode)) is not None:
+            run["cpus"] = cpus
         try:
-            report = await run_generation(swarm, legs, mode_setup, prompt, cfg, hops, workload.tokenizer)
+            report = await run_generation(swarm, legs, mode_setup, prompt, cfg, hops, workload.tokenizer, wire=wire)
             run.update(report.as_dict())
             run["mode"] = mode  # the benchmark's mode (sd-chain), not the engine's (sd)
         except Exception as exc:  # e.g. a peer failed; recorded, not fatal to the sweep
@@ -216,14 +187,15 @@ def run_setting_todo(opts: SweepOptions, setting: dict[str, Any], workload: Work
 
 
 def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup: Any, workload: Workload,
-                eos: frozenset[int], save: Any, *, fresh: bool = False) -> None:
-    """One (N, t1/t0) setting: start the testnet, run the missing (rep, prompt) pairs in every mode, stop it.
-    Not `fresh` (calibrated by an earlier process): a new stretch, its machine and step time recorded."""
+                eos: frozenset[int], save: Any, *, fresh: bool = False, placement: Placement | None = None) -> None:
+    """One (N, t1/t0) setting: start the testnet (on `placement.peers` when the head is pinned), run the missing
+    (rep, prompt) pairs in every mode, stop it. Not `fresh` (calibrated by an earlier process): a new stretch,
+    its machine and step time recorded."""
     import trio
 
     from dsd.node.peer.generation import swarm_watch
     from dsd.node.peer.host import head_node
-    from dsd.node.peer.shaper import LinkProfile
+    from dsd.node.testnet.link_profiles import build_link
 
     cal, prov = setting["calibration"], setting["provenance"]
     todo = run_setting_todo(opts, setting, workload)
@@ -238,28 +210,34 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
         from dsd.shard_store import Store
 
         t0_now = measure_t0(Store(target), cal["layers_per_peer"])
-        latency_ms = link_latency_ms(cal["ratio"], t0_now)  # hold the setting's t1/t0, not its t1
+        if opts.fixed_latency_ms is None:
+            latency_ms = link_latency_ms(cal["ratio"], t0_now)  # hold the setting's t1/t0, not its t1
         record = {"commit": git_commit(), "load_before": os.getloadavg(), "started": now_stamp(), "t0_s": t0_now,
                   "latency_ms": latency_ms, "machine": machine_record()}
         prov.setdefault("resumed", []).append(record)
         log(f"  resuming: t0 {t0_now * 1000:.1f} ms now, {cal['t0_s'] * 1000:.1f} ms at calibration; links "
-            f"{latency_ms:.0f} ms (were {cal['latency_ms']:.0f}) so t1/t0 stays {cal['ratio']:g}")
+            f"{latency_ms:.0f} ms (were {cal['latency_ms']:.0f})"
+            + (f" so t1/t0 stays {cal['ratio']:g}" if opts.fixed_latency_ms is None else f" ({opts.link_profile})"))
     stretch, clock = len(prov.get("resumed", [])), StretchClock(setting, record)
     again = {(rep, p["task_id"]) for rep, p in todo}  # a failed prompt runs again in every mode; its failure is kept
     setting["failed"] = setting.get("failed", []) + [r for r in setting["runs"] if "error" in r]
     setting["runs"] = [r for r in setting["runs"] if (r["rep"], r["task_id"]) not in again]
-    with testnet(target, cal["peers"], latency_ms, opts.state / f"n{cal['peers']}-r{cal['ratio']:g}") as state:
+    placement = placement or Placement.plan(opts.pin_head)
+    record["placement"] = placement.record()
+    with testnet(target, cal["peers"], latency_ms, opts.state / setting["key"], link_profile=opts.link_profile,
+                 peer_profiles=opts.peer_profiles, peer_cpus=placement.peers, codec=opts.codec, zstd=opts.zstd) as state:
         log(f"  testnet up in {state.up_seconds:.1f} s; {len(todo)} prompt runs to go")
+        placement.pids = [p.pid for p in state.peers]
 
         async def main() -> None:
-            async with head_node([state.bootstrap], LinkProfile.from_options(latency_ms)) as (node, legs):
+            async with head_node([state.bootstrap], build_link(opts.link_profile, latency_ms)) as (node, legs):
                 hops = await plan_once(node, setup.model_id, setup.num_layers)
                 if why := route_mismatch(hops, cal):
                     raise SystemExit(f"setting {setting['key']}: {why}")
                 setting["route"] = [[h.start, h.end] for h in hops]
                 swarm = swarm_watch(node, setup)
                 for rep, problem in todo:
-                    runs = await run_prompt(swarm, legs, hops, setup, workload, problem, rep, opts, eos)
+                    runs = await run_prompt(swarm, legs, hops, setup, workload, problem, rep, opts, eos, placement)
                     setting["runs"].extend({**r, "stretch": stretch} for r in runs)
                     setting["summary"] = summarize(setting)
                     prov["load_after"] = os.getloadavg()
@@ -270,16 +248,20 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     clock.tick()
 
 
-def new_setting(opts: SweepOptions, peers: int, ratio: float, command: str, target: Path, setup: Any,
+def new_setting(opts: SweepOptions, peers: int, ratio: float | None, command: str, target: Path, setup: Any,
                 workload: Workload, acceptance: dict[str, Any]) -> dict[str, Any]:
+    """A setting calibrated and ready to run; `ratio` None: the link profile fixes t1 (t1/t0 as measured)."""
     load_before = os.getloadavg()
     commit = git_commit()
+    started = now_stamp()
+    cal = calibrate(opts, peers, ratio, target, setup, workload, acceptance)
     return {
-        "key": setting_key(opts.models, peers, ratio), "models": opts.models, "peers": peers, "ratio": ratio,
+        "key": opts.key(peers, ratio), "models": opts.models, "peers": peers,
+        "ratio": cal["ratio"],
         "provenance": {"commit": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty"), "command": command,
-                       "load_before": load_before, "started": now_stamp(), "machine": machine_record()},
+                       "load_before": load_before, "started": started, "machine": machine_record()},
         "options": setting_options(opts),
-        "calibration": calibrate(opts, peers, ratio, target, setup, workload, acceptance),
+        "calibration": cal,
         "runs": [],
     }
 
@@ -291,6 +273,8 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
     """Run what the results file does not hold yet, writing the outputs after every prompt; returns the results."""
     import torch
 
+    placement = Placement.plan(opts.pin_head)
+    placement.pin_head()  # before anything is measured: calibration times the head where it will run
     torch.set_num_threads(1)
     stem = opts.stem
     path = stem.with_suffix(".json")
@@ -306,8 +290,8 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
     acceptance: dict[str, Any] | None = None
     by_key = {s["key"]: s for s in results["settings_runs"]}
     for n in opts.peers:
-        for ratio in opts.ratios:
-            key = setting_key(opts.models, n, ratio)
+        for ratio in opts.grid_ratios:
+            key = opts.key(n, ratio)
             setting = by_key.get(key)
             fresh = setting is None
             if fresh:
@@ -317,7 +301,8 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
                 results["settings_runs"].append(setting)
             elif not run_setting_todo(opts, setting, workload):
                 continue  # complete: its provenance stays as it finished
-            run_setting(opts, setting, target, setup, workload, eos, lambda: write_outputs(results, stem), fresh=fresh)
+            run_setting(opts, setting, target, setup, workload, eos, lambda: write_outputs(results, stem), fresh=fresh,
+                        placement=placement)
             setting["provenance"]["finished"] = now_stamp()
             write_outputs(results, stem)
             for ratio_name, r in setting.get("summary", {}).get("ratios", {}).items():
@@ -366,73 +351,8 @@ def set_apart_runs(opts: SweepOptions, key: str, reason: str, reps: Sequence[int
 # --- CLI -----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[SweepOptions, argparse.Namespace]:
-    """The command line as sweep options, and the parsed arguments (what to do: run, rebuild the report, set apart)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", choices=MODEL_KINDS, default="real",
-                   help="real: Qwen2.5-Coder 1.5B target, 0.5B draft; tiny: random 8-layer target drafting for itself")
-    p.add_argument("--peers", default="3,4,8", help="comma-separated N values (default 3,4,8)")
-    p.add_argument("--ratios", default="3,5,10", help="comma-separated t1/t0 values (default 3,5,10)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes (default ar,sd,dsd); "
-                   "sd-chain / dsd-chain run sd / dsd with chains only, to compare against --tree-nodes")
-    p.add_argument("--problems", default=",".join(map(str, PROBLEMS)), help="HumanEval problem indices (default: the fixed 10)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of every (prompt, mode) (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tau-max", type=float, default=0.0, help="dsd-adaptive relaxation bound (0 = lossless)")
-    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="the draft's quantization")
-    p.add_argument("--branches", type=int, default=8, help="dsd: outcome branches per trip (0 = only full acceptance)")
-    p.add_argument("--pipeline", type=int, default=2, help="dsd: windows in flight at once (dsd-serial: 1)")
-    p.add_argument("--tree-nodes", default="auto", metavar="N|auto",
-                   help="drafted nodes of a token-tree window (default auto: the controller decides; 0 = chains only)")
-    p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
-    p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-tiny])")
-    p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
-    p.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
-                   help="adopt the settings of the grid that FILE holds and the results lack (same options; repeatable)")
-    p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="testnet state and work directory")
-    p.add_argument("--report-only", action="store_true",
-                   help="recompute summaries, table and plot of --results from its raw runs; run nothing")
-    p.add_argument("--set-apart", metavar="KEY", help="move runs of setting KEY (e.g. real-N4-r3) of --results out of its "
-                   "medians, with --reason, chosen by --rep and/or --task (every mode of a chosen prompt), or --all-runs")
-    p.add_argument("--rep", default="", help="--set-apart: which repetition(s), comma-separated (not --reps: how many)")
-    p.add_argument("--task", default="", help="--set-apart: which task(s), comma-separated (HumanEval/32 or 32)")
-    p.add_argument("--all-runs", action="store_true", help="--set-apart: every run of the setting")
-    p.add_argument("--reason", default="", help="--set-apart: why, stored beside the runs and shown in the report")
-    args = p.parse_args(argv)
-    args.rep, args.task = comma_list(p, "--rep", args.rep, int), comma_list(p, "--task", args.task, str)
-    if args.set_apart is not None:
-        if args.results is None or args.report_only or not args.reason.strip():
-            p.error("--set-apart takes --results and --reason (and not --report-only)")
-        if bool(args.rep or args.task) == args.all_runs:
-            p.error("--set-apart chooses runs by --rep and/or --task, or takes --all-runs")
-    elif args.rep or args.task or args.all_runs or args.reason:
-        p.error("--rep, --task, --all-runs and --reason go with --set-apart")
-    peers = comma_list(p, "--peers", args.peers, int)
-    ratios = comma_list(p, "--ratios", args.ratios, float)
-    problems = comma_list(p, "--problems", args.problems, int)
-    modes = comma_list(p, "--modes", args.modes, str)
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        p.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
-    if any(n < 1 for n in peers) or any(r <= 0 for r in ratios) or args.reps < 1 or args.max_new_tokens < 1:
-        p.error("--peers, --reps and --max-new-tokens must be >= 1 and --ratios > 0")
-    try:
-        tree_nodes = None if args.tree_nodes == "auto" else int(args.tree_nodes)
-    except ValueError:
-        p.error(f"--tree-nodes takes a node count or auto, got {args.tree_nodes!r}")
-    if tree_nodes is not None and tree_nodes < 0:
-        p.error("--tree-nodes must be >= 0 (0 = chains)")
-    name = args.name or "dsd_sweep" + ("-tiny" if args.models == "tiny" else "")
-    opts = SweepOptions(models=args.models, peers=peers, ratios=ratios, problems=problems, modes=modes,
-                        reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
-                        draft_quant=args.draft_quant, branches=args.branches, pipeline=args.pipeline, tree_nodes=tree_nodes,
-                        exec_timeout=args.exec_timeout, name=name, results=args.results, merge=args.merge,
-                        state=args.state)
-    return opts, args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    opts, args = parse_args(argv)
+    opts, args = parse_args(argv, __doc__)
     if args.set_apart is not None:
         results = set_apart_runs(opts, args.set_apart, args.reason, args.rep, args.task)
     elif args.report_only:

@@ -13,8 +13,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from dsd_sweep import SweepOptions, run_sweep
+from dsd_sweep import run_sweep
 from harness import comma_list, command_line, model_kinds
+from sweep_options import SweepOptions
 
 PROBLEMS = "0,2,7"
 

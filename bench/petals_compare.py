@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dsd_sweep import PROBLEMS, SweepOptions, link_latency_ms, run_prompt
+from dsd_sweep import link_latency_ms, run_prompt
 from harness import (
     MODEL_KINDS,
     RESULTS_DIR,
@@ -46,6 +46,7 @@ from harness import (
     write_json,
 )
 from sweep_model import decode_tokens_per_s, paired_ratios, ratio_summary
+from sweep_options import PROBLEMS, SweepOptions
 from sweep_provenance import StretchClock, log, machine_record
 from sweep_report import fmt_interval
 from sweep_setup import Workload, load_models

@@ -15,12 +15,16 @@ from typing import Any
 import numpy as np
 from sweep_provenance import set_apart_groups, stretches
 
-MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial")
-# Paired ratios reported when both modes ran: the speedups, and trees (the controller's choice) vs chains.
+MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial", "ar-shared", "sd-shared", "dsd-shared")
+# Paired ratios reported when both modes ran: the speedups, trees (the controller's choice) vs chains, the
+# pipeline, and a pinned head vs one sharing every CPU (with the speedups of the shared placement).
 RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
-          ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"))
+          ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"),
+          ("dsd", "dsd-shared"), ("sd", "sd-shared"), ("ar", "ar-shared"),
+          ("dsd-shared", "ar-shared"), ("sd-shared", "ar-shared"), ("dsd-shared", "sd-shared"))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
 SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-drafting overlap alone
+SHARED = "-shared"  # the base mode with the head on every CPU beside the peers (`--pin-head` pins the others)
 # The engine's window limits the model follows (node/head/config.py; a test checks they agree):
 GAMMA_MAX = 16  # the longest chain window
 LOOKAHEAD = 3  # dsd pre-drafts each branch this many tokens past the window it expects next
@@ -30,8 +34,8 @@ BAND_Z = 2.0  # a bound's Monte-Carlo band: ±2 binomial sd of its rank among th
 
 def base_mode(mode: str) -> str:
     """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only, `dsd-serial` runs `dsd`
-    with one window in flight."""
-    return mode.removesuffix(CHAIN).removesuffix(SERIAL)
+    with one window in flight, `dsd-shared` runs `dsd` with the head sharing the peers' CPUs."""
+    return mode.removesuffix(SHARED).removesuffix(CHAIN).removesuffix(SERIAL)
 
 
 def interp(table: dict[int, float], x: float) -> float:
@@ -296,7 +300,7 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         groups = paired_ratios(setting, num, den)
         if groups:
             out["ratios"][f"{num}/{den}"] = ratio_summary(groups)
-            if den == "ar":  # what the timing model predicts: decoding, without the prompt's trip
+            if base_mode(den) == "ar":  # what the timing model predicts: decoding, without the prompt's trip
                 out["ratios"][f"{num}/{den} decode"] = ratio_summary(paired_ratios(setting, num, den, decode_tokens_per_s))
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too
                 out["ratios"][f"{num}/{den} tokens/trip"] = ratio_summary(paired_ratios(setting, num, den, lambda r: r["tokens_per_trip"]))

@@ -38,9 +38,17 @@ def machine_record() -> dict[str, Any]:
 # --- a setting's identity and options -------------------------------------------------------------
 
 
-def setting_key(models: str, peers: int, ratio: float) -> str:
-    """The key of the (models, N, t1/t0) setting in a results file."""
-    return f"{models}-N{peers}-r{ratio:g}"
+def setting_key(models: str, peers: int, ratio: float | None, profile: str | None = None, wire: str = "") -> str:
+    """The key of the (models, N, t1/t0) setting in a results file; a link profile that fixes the latency
+    (`ratio` None) names the setting instead of t1/t0, a codec other than the exact one follows: real-N4-home,
+    real-N4-home-int8+zstd."""
+    key = f"{models}-N{peers}-{profile}" if ratio is None else f"{models}-N{peers}-r{ratio:g}"
+    return f"{key}-{wire}" if wire else key
+
+
+# Options added after results were first written, with the value every older setting ran with.
+LATER_OPTIONS: dict[str, Any] = {"pin_head": False, "link_profile": "paper", "peer_profiles": [], "codec": "auto",
+                                 "zstd": False}
 
 
 def setting_options(opts: Any) -> dict[str, Any]:
@@ -48,12 +56,14 @@ def setting_options(opts: Any) -> dict[str, Any]:
     return {"problems": opts.problems, "modes": opts.modes, "reps": opts.reps,
             "max_new_tokens": opts.max_new_tokens, "tau_max": opts.tau_max, "draft_quant": opts.draft_quant,
             "branches": opts.branches, "pipeline": opts.pipeline,
-            "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes}
+            "tree_nodes": "auto" if opts.tree_nodes is None else opts.tree_nodes,
+            **{k: getattr(opts, k) for k in LATER_OPTIONS}}
 
 
 def option_mismatch(setting: dict[str, Any], opts: Any, *, more_modes: bool = False) -> list[str]:
-    """How the options a setting ran with differ from these; `more_modes`: it may also hold other modes."""
-    ours, theirs = setting_options(opts), setting.get("options", {})
+    """How the options a setting ran with differ from these (an option older settings lack counts as its
+    `LATER_OPTIONS` value); `more_modes`: it may also hold other modes."""
+    ours, theirs = setting_options(opts), {**LATER_OPTIONS, **setting.get("options", {})}
     diff = [f"{k} {theirs.get(k, 'unset')!r} (here {v!r})" for k, v in ours.items()
             if k != "modes" and theirs.get(k, "unset") != v]
     modes = theirs.get("modes", [])
@@ -65,7 +75,7 @@ def option_mismatch(setting: dict[str, Any], opts: Any, *, more_modes: bool = Fa
 def merge_settings(results: dict[str, Any], opts: Any) -> None:
     """Adopt from `opts.merge` the settings of this sweep's grid that the results lack, if run with its options."""
     have = {s["key"] for s in results["settings_runs"]}
-    wanted = {setting_key(opts.models, n, r) for n in opts.peers for r in opts.ratios}
+    wanted = {opts.key(n, r) for n in opts.peers for r in opts.grid_ratios}
     for path in opts.merge:
         try:
             other = json.loads(path.read_text())["settings_runs"]
@@ -109,7 +119,20 @@ def cell_machine(setting: dict[str, Any]) -> str:
         return NOT_RECORDED
     text = known[0] if len(known) == 1 else "several: " + "; ".join(known)
     missing = labels.count(None)
-    return text + (f" ({missing} of {len(labels)} stretches {NOT_RECORDED})" if missing else "")
+    return text + (f" ({missing} of {len(labels)} stretches {NOT_RECORDED})" if missing else "") + cell_setup(setting)
+
+
+def cell_setup(setting: dict[str, Any]) -> str:
+    """How the one box played separate machines in a setting, as the tables show it after the machine: the
+    head's CPU when pinned, a link profile other than `paper`, per-peer profiles, a codec other than exact."""
+    o = {**LATER_OPTIONS, **setting.get("options", {})}
+    place = setting.get("provenance", {}).get("placement", {})
+    parts = [f"head on CPU {place.get('head_cpus', '?')}, testnet on {place.get('peer_cpus', '?')}"] if o["pin_head"] else []
+    if o["link_profile"] != "paper" or o["peer_profiles"]:
+        parts.append("links " + o["link_profile"] + "".join(f", peer {p}" for p in o["peer_profiles"]))
+    if o["codec"] != "auto" or o["zstd"]:
+        parts.append("codec " + o["codec"] + ("+zstd" if o["zstd"] else ""))
+    return "".join(f"; {x}" for x in parts)
 
 
 class StretchClock:

@@ -31,7 +31,7 @@ from dsd.node.head.streaming import RepairGuard
 from dsd.node.route.audit import AuditFailure, AuditLedger, AuditOptions
 from dsd.node.route.legs import ReturnLegs
 from dsd.node.route.open import open_route
-from dsd.protocol import Hop
+from dsd.protocol import Hop, WireFormat
 from dsd.shard_store import SpanModule, Store, StoreError
 
 from .config import parse_blocks
@@ -45,10 +45,12 @@ MAX_REPAIRS = 3  # regenerations after audits caught liars, before a generation 
 
 @dataclass(frozen=True)
 class RouteTarget:
-    """The target on a route of block peers: `hops` (else planned from the swarm), the head serving `local` itself."""
+    """The target on a route of block peers: `hops` (else planned from the swarm), the head serving `local` itself,
+    putting hidden states on the wire as `wire` says (None: its compute dtype's codec, exact)."""
 
     hops: Sequence[Hop] | None = None
     local: SpanModule | None = None
+    wire: WireFormat | None = None
 
     @property
     def local_blocks(self) -> tuple[int, int] | None:
@@ -110,7 +112,7 @@ async def open_target(
         return
     assert swarm is not None and setup.head is not None, "a route needs the swarm's view and the target's ends"
     async with open_route(node, legs, swarm, setup.head, max_len=max_len, hops=target.hops, local=target.local,
-                          timeout_s=cfg.result_timeout_s, rule=cfg.deadline, audits=audits) as backend:
+                          timeout_s=cfg.result_timeout_s, rule=cfg.deadline, audits=audits, wire=target.wire) as backend:
         yield backend
 
 

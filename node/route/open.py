@@ -67,13 +67,14 @@ async def open_route_client(
 async def open_route(
     node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch, head: HeadModule, *, max_len: int,
     hops: Sequence[Hop] | None = None, local: SpanModule | None = None, timeout_s: float = 300.0,
-    rule: DeadlineRule | None = None, audits: AuditLedger | None = None, **options: Any,
+    rule: DeadlineRule | None = None, audits: AuditLedger | None = None, wire: WireFormat | None = None,
+    **options: Any,
 ) -> AsyncIterator[RouteBackend]:
     """The engine's backend over a route of `swarm` (or `hops`): hidden states in the head's compute dtype on the
-    wire (exact; half the bytes in bf16/fp16), `local` the layers the head serves itself (the route covers the
-    others, as `swarm.blocks` says); windows audited as `audits.options` say (`audit.Auditor`), counted there.
-    Options as `open_route_client`'s."""
-    wire = WireFormat("auto").for_dtype(dtype_name(head.dtype))
+    wire (exact; half the bytes in bf16/fp16) unless `wire` names another codec, `local` the layers the head
+    serves itself (the route covers the others, as `swarm.blocks` says); windows audited as `audits.options` say
+    (`audit.Auditor`), counted there. Options as `open_route_client`'s."""
+    wire = (wire or WireFormat("auto")).for_dtype(dtype_name(head.dtype))
     async with open_route_client(node, legs, swarm, max_len=max_len, hops=hops, wire=wire, rule=rule,
                                  **options) as client:
         if audits is None or audits.options.rate <= 0.0:

@@ -15,8 +15,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from dsd_sweep import (  # noqa: E402
-    PROBLEMS,
-    SweepOptions,
     cut_completion,
     merge_settings,
     option_mismatch,
@@ -38,6 +36,7 @@ from sweep_model import (  # noqa: E402
     ready_probability,
     summarize,
 )
+from sweep_options import PROBLEMS, SweepOptions  # noqa: E402
 
 T0 = {1: 0.08, 2: 0.09, 4: 0.1, 8: 0.14, 16: 0.22}
 HEAD = {1: 0.01, 16: 0.01}
@@ -284,7 +283,7 @@ def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(mon
     class Started(Exception):
         pass
 
-    def testnet(target: Path, peers: int, latency_ms: float, state: Path) -> None:
+    def testnet(target: Path, peers: int, latency_ms: float, state: Path, **links: object) -> None:
         raise Started(peers, latency_ms)
 
     monkeypatch.setattr(sweep_provenance, "machine_info", lambda: {"host_id": "b" * 12, "cpu_model": "CPU B", "cpu_count": 2})

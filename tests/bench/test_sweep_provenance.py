@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import dsd_sweep  # noqa: E402
 import sweep_provenance  # noqa: E402
-from dsd_sweep import SweepOptions, parse_args, run_setting, set_apart_runs  # noqa: E402
+from dsd_sweep import run_setting, set_apart_runs  # noqa: E402
 from sweep_model import bootstrap_interval, effective_ratio, summarize  # noqa: E402
+from sweep_options import SweepOptions, parse_args  # noqa: E402
 from sweep_provenance import (  # noqa: E402
     StretchClock,
     cell_machine,
@@ -163,8 +164,8 @@ def test_a_setting_killed_mid_stretch_and_resumed_on_another_host_keeps_both_str
     kill_at: list[str] = ["HumanEval/2"]
 
     @contextlib.contextmanager
-    def testnet(target: Path, peers: int, latency_ms: float, state: Path) -> Iterator[SimpleNamespace]:
-        yield SimpleNamespace(up_seconds=0.0, bootstrap="b")
+    def testnet(target: Path, peers: int, latency_ms: float, state: Path, **links: Any) -> Iterator[SimpleNamespace]:
+        yield SimpleNamespace(up_seconds=0.0, bootstrap="b", peers=[])
 
     @contextlib.asynccontextmanager
     async def head_node(bootstrap: list[str], links: Any) -> AsyncIterator[tuple[None, None]]:
@@ -174,7 +175,7 @@ def test_a_setting_killed_mid_stretch_and_resumed_on_another_host_keeps_both_str
         return [SimpleNamespace(start=a, end=a + 7, local=False) for a in (0, 7, 14, 21)]
 
     async def run_prompt(swarm: Any, legs: Any, hops: Any, setup: Any, workload: Any, problem: dict[str, Any],
-                         rep: int, opts: SweepOptions, eos: frozenset[int]) -> list[dict[str, Any]]:
+                         rep: int, opts: SweepOptions, eos: frozenset[int], placement: Any = None) -> list[dict[str, Any]]:
         now[0] += 10.0
         if problem["task_id"] in kill_at:
             raise Killed
