@@ -22,12 +22,14 @@ def swarm_of(node, model: str, num_layers: int, blocks: tuple[int, int] | None =
     return SwarmWatch(node, model, num_layers, blocks=blocks)
 
 
-async def generate_on(node, legs, setup, prompt: list[int], cfg, *, hops=None, local_span=None, tokenizer=None):
+async def generate_on(node, legs, setup, prompt: list[int], cfg, *, hops=None, local_span=None, tokenizer=None,
+                      wire=None):
     """One generation from a test head already in the swarm over a route (`hops`, else planned), the head serving
-    `local_span` itself: a `GenerationReport` (`GenerationFailed` comes out as itself)."""
+    `local_span` itself and sending hidden states as `wire` says: a `GenerationReport` (`GenerationFailed` comes
+    out as itself)."""
     from dsd.node.peer.generation import RouteTarget, generate_over_swarm, swarm_watch
 
-    target = RouteTarget(hops=hops, local=local_span)
+    target = RouteTarget(hops=hops, local=local_span, wire=wire)
     return await generate_over_swarm(node, legs, swarm_watch(node, setup, target.local_blocks), setup, prompt, cfg,
                                      target=target, tokenizer=tokenizer)
 
