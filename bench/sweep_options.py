@@ -13,6 +13,7 @@ from harness import MODEL_KINDS, RESULTS_DIR, comma_list, today
 from sweep_model import MODES, SHARED
 from sweep_provenance import setting_key
 
+from dsd.node.cli.options import HIDDEN_CODECS
 from dsd.node.testnet.link_profiles import PAPER, PROFILES, named, parse_peer_profiles
 
 # Fixed before any run: 10 problems spread evenly over HumanEval's 164 (i·164/10, rounded down).
@@ -20,7 +21,6 @@ PROBLEMS = (0, 16, 32, 49, 65, 82, 98, 114, 131, 147)
 # Held out for calibrating the draft's acceptance (never benchmarked).
 CALIBRATION_PROBLEMS = (1, 3, 5)
 DEFAULT_MODES = ("ar", "sd", "dsd")
-CODECS = ("auto", "raw", "fp16", "bf16", "int8")  # the hidden-state codecs of `dsd-node start --codec`
 
 
 @dataclass
@@ -105,7 +105,7 @@ def parse_args(argv: Sequence[str] | None = None, doc: str | None = None) -> tup
                    "home / continental: their own latency, jitter and bandwidth (t1/t0 is then measured, not set)")
     p.add_argument("--peer-profile", action="append", default=[], metavar="INDEX:NAME",
                    help="block peer INDEX sends on profile NAME instead (repeatable: a heterogeneous swarm)")
-    p.add_argument("--codec", choices=CODECS, default="auto",
+    p.add_argument("--codec", choices=HIDDEN_CODECS, default="auto",
                    help="hidden-state codec of the peers and the head (default auto: the compute dtype's, exact)")
     p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states on the wire")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")

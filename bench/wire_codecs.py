@@ -31,6 +31,7 @@ from sweep_model import MODES, ratio_summary
 from sweep_options import PROBLEMS, SweepOptions
 from sweep_report import fmt_interval
 
+from dsd.node.cli.options import HIDDEN_CODECS
 from dsd.node.testnet.link_profiles import PROFILES, named
 
 CODECS = ("auto", "bf16", "int8+zstd")  # exact (the compute dtype's), half, 8-bit blocks compressed
@@ -119,7 +120,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SweepOptions, list[str]]:
     if codecs[0] != "auto":
         p.error("--codecs: the exact codec (auto) comes first: the others are compared with it")
     for c in codecs:
-        if wire_of(c)[0] not in ("auto", "raw", "fp16", "bf16", "int8"):
+        if wire_of(c)[0] not in HIDDEN_CODECS:
             p.error(f"--codecs: unknown codec {c!r}")
     modes = comma_list(p, "--modes", args.modes, str)
     opts = SweepOptions(models=args.models, peers=[args.peers], problems=comma_list(p, "--problems", args.problems, int),

@@ -13,11 +13,13 @@ from dsd.node.server.limits import ServerLimits
 
 from .options import (
     DEFAULT_IDENTITY,
+    add_codec_options,
     add_device_options,
     add_listen_option,
     add_wan_options,
     link_profile,
     read_allow_list,
+    wire_format,
 )
 from .store import add_fetch_options, fetch_request
 
@@ -40,8 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-budget", type=int, default=ServerLimits.kv_budget_tokens, metavar="TOKENS", help="KV cache tokens reserved across sessions")
     p.add_argument("--max-len", type=int, default=ServerLimits.max_len, metavar="TOKENS", help="longest session this peer accepts")
     p.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout_s, metavar="S", help="free a session after S seconds without a message")
-    p.add_argument("--codec", choices=("auto", "raw", "fp16", "bf16", "int8"), default="auto", help="hidden-state codec on the wire (default auto: the compute dtype's, exact: raw for float32, bf16/fp16 for half precision)")
-    p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states")
+    add_codec_options(p, "this peer's")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
     nat = p.add_argument_group("NAT traversal (docs/nat.md)")
     nat.add_argument("--reachability", choices=("auto", "public", "private"), default="auto", help="whether others can dial this peer where it listens: auto asks the bootstrap peers to dial back (AutoNAT); private = behind a NAT: reserve slots on relays and announce addresses through them (default auto)")
@@ -76,7 +77,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     from dsd.node.fetch.request import FetchError
     from dsd.node.peer.config import DaemonConfig
     from dsd.node.peer.daemon import run_daemon
-    from dsd.protocol import WireFormat
     from dsd.shard_store import StoreError
 
     try:
@@ -100,7 +100,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             max_len=args.max_len,
             idle_timeout_s=args.idle_timeout,
         ),
-        wire=WireFormat(args.codec, args.zstd),
+        wire=wire_format(args),
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,

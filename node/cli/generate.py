@@ -11,6 +11,7 @@ from dsd.node.head.modes import MODE_HELP, MODES
 
 from .options import (
     add_audit_options,
+    add_codec_options,
     add_cpus_option,
     add_deadline_options,
     add_device_options,
@@ -22,6 +23,7 @@ from .options import (
     fail,
     link_profile,
     pin_head_process,
+    wire_format,
 )
 from .store import add_fetch_options, fetched_store
 
@@ -52,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cpus_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     add_device_options(p)
+    add_codec_options(p, "the head's")
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
     add_deadline_options(p)
@@ -184,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def text_of(tokens: list[int]) -> str | None:
         return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
 
-    target = _federated_target(args) if args.federated else RouteTarget(local=local_span)
+    target = _federated_target(args) if args.federated else RouteTarget(local=local_span, wire=wire_format(args))
     try:
         report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,

@@ -16,6 +16,7 @@ from dsd.shard_store.manifest import STORE_DTYPES
 
 if TYPE_CHECKING:
     from dsd.node.route.audit import AuditOptions
+    from dsd.protocol.tensors import WireFormat
 
 DEFAULT_IDENTITY = Path.home() / ".config" / "dsd" / "identity.key"
 
@@ -29,6 +30,22 @@ def add_wan_options(p: argparse.ArgumentParser, sender: str = "this process") ->
     g.add_argument("--wan-jitter-ms", type=float, default=None, metavar="MS", help="uniform jitter (± MS, at most the latency; default 0, or the --link-profile's)")
     g.add_argument("--wan-mbit", type=float, default=None, metavar="MBIT", help="bandwidth cap of each link in megabit/s (default unlimited, or the --link-profile's; 0 = unlimited)")
     return g
+
+
+HIDDEN_CODECS = ("auto", "raw", "fp16", "bf16", "int8")  # the hidden-state codecs of `protocol.tensors`
+
+
+def add_codec_options(p: argparse.ArgumentParser, whose: str) -> None:
+    """`--codec` and `--zstd`: how `whose` hidden states go on the wire (`wire_format(args)`)."""
+    p.add_argument("--codec", choices=HIDDEN_CODECS, default="auto", help=f"{whose} hidden-state codec on the wire (default auto: the compute dtype's, exact: raw for float32, bf16/fp16 for half precision; bf16/fp16 from float32 and int8 round the activations, so greedy output may change)")
+    p.add_argument("--zstd", action="store_true", help=f"zstd-compress {whose} hidden states")
+
+
+def wire_format(args: argparse.Namespace) -> WireFormat:
+    """The wire format `add_codec_options` asked for."""
+    from dsd.protocol.tensors import WireFormat
+
+    return WireFormat(args.codec, args.zstd)
 
 
 def cpu_list(text: str) -> frozenset[int]:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from dsd.node.server.faults import MODES
 
-from .options import add_device_options, add_wan_options, cpu_list, fail, link_profile
+from .options import (
+    add_codec_options,
+    add_device_options,
+    add_wan_options,
+    cpu_list,
+    fail,
+    link_profile,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--replicas", type=int, default=1, help="peers per span: the layers are split into PEERS/REPLICAS spans")
     up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
     up.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
-    up.add_argument("--codec", choices=("auto", "raw", "fp16", "bf16", "int8"), default="auto", help="the peers' hidden-state codec (default auto: the compute dtype's, exact)")
-    up.add_argument("--zstd", action="store_true", help="the peers zstd-compress the hidden states they send")
+    add_codec_options(up, "the peers'")
     up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
     up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
