@@ -96,7 +96,8 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float | None, target: Path,
     latency = opts.fixed_latency_ms if ratio is None else link_latency_ms(ratio, t0)
     assert latency is not None
     cal = {
-        "peers": peers, "ratio": latency / (t0 * 1000) if ratio is None else ratio, "layers_per_peer": layers, "t0_s": t0,
+        "peers": peers, "ratio": round(latency / (t0 * 1000), 3) if ratio is None else ratio, "layers_per_peer": layers,
+        "t0_s": t0,
         "t0_window_s": {str(k): v for k, v in measure_step_table(store, layers).items()},
         "head_window_s": {str(k): v for k, v in measure_head_table(setup.head).items()},
         "latency_ms": latency,
