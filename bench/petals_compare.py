@@ -391,7 +391,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
-    run(opts, command_line("bench/petals_compare.py", sys.argv[1:] if argv is None else argv))
+    run(opts, command_line("petals_compare.py", sys.argv[1:] if argv is None else argv))
     return 0
 
 
