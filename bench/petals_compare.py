@@ -79,6 +79,7 @@ class CompareOptions:
     petals_python: Path | None = None
     results: Path | None = None
     state: Path = Path(".dsd/petals-compare")
+    report_only: bool = False
 
     @property
     def path(self) -> Path:
@@ -206,10 +207,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"| {k} | {r['median']:.2f}× {fmt_interval(*r['ci95'], r.get('ci95_mc'))} | {r['pairs']} |"
                   for k, r in summ["ratios"].items()]
         if "probe" in st:
-            pr = st["probe"]
-            lines += ["", f"Per token: Petals as released {pr['petals']['median_step_s']:.3f} s, with push "
-                      f"{pr['petals_push_fix']['median_step_s']:.3f} s, our ar {pr['ar_round_s']['median'] or 0:.3f} s "
-                      f"per round (link crossings per token: {pr['link_crossings_per_token']})."]
+            pr, x = st["probe"], st["probe"]["link_crossings_per_token"]
+            lines += ["", f"Per token (median one-token step over {PROBE_STEPS} steps; our `ar`: median decoding round "
+                      f"of its {pr['ar_round_s']['n']} runs): Petals as released {pr['petals']['median_step_s']:.3f} s "
+                      f"({x['petals_released']} link crossings), with server-to-server push "
+                      f"{pr['petals_push_fix']['median_step_s']:.3f} s ({x['petals_push']}), our `ar` "
+                      f"{pr['ar_round_s']['median'] or 0:.3f} s ({x['ours']}); t1 = {x['t1_s'] * 1000:.0f} ms."]
         lines.append("")
     return "\n".join(lines)
 
@@ -382,15 +385,24 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     p.add_argument("--petals-python", type=Path, default=None, help="the Petals venv's python (default: setup.py's)")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
     p.add_argument("--state", type=Path, default=Path(".dsd/petals-compare"))
+    p.add_argument("--report-only", action="store_true", help="rewrite the summaries, tables and plot of --results; run nothing")
     a = p.parse_args(argv)
+    if a.report_only and a.results is None:
+        p.error("--report-only takes --results")
     return CompareOptions(models=a.models, peers=a.peers, ratio=a.ratio, zero=not a.no_zero,
                           problems=comma_list(p, "--problems", a.problems, int), reps=a.reps,
                           max_new_tokens=a.max_new_tokens, draft_quant=a.draft_quant, petals_python=a.petals_python,
-                          results=a.results, state=a.state)
+                          results=a.results, state=a.state, report_only=a.report_only)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.report_only:
+        results = json.loads(opts.path.read_text())
+        for st in results["settings"]:
+            st["summary"] = summarize(st) if st["runs"] else {}
+        write_outputs(results, opts.path)
+        return 0
     run(opts, command_line("petals_compare.py", sys.argv[1:] if argv is None else argv))
     return 0
 
