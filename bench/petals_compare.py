@@ -21,9 +21,11 @@ Resumable (runs already in the results file are skipped; the file is rewritten a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,15 +115,19 @@ class PetalsRunner:
         return self._read()
 
     def close(self) -> None:
-        """Quit the runner (it stops its servers and proxies); kill it after a grace period."""
+        """Quit the runner (it stops its servers and proxies); after a grace period kill its whole process group:
+        the runner in the namespace is a grandchild (under `unshare`), and a hivemind client that hangs on exit
+        would outlive a kill of the child alone."""
         try:
             if self.proc.poll() is None and self.proc.stdin is not None:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
             self.proc.wait(60)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own group (start_new_session): only the runner's processes
+        self.proc.wait()
 
     def __enter__(self) -> PetalsRunner:
         return self
