@@ -225,7 +225,8 @@ def grid_matrix(results: dict[str, Any]) -> str:
         ratios = (s.get("summary") or {}).get("ratios", {})
         if "dsd/ar" in ratios:
             mark = marks.setdefault(cell_machine(s), f"m{len(marks) + 1}")
-            cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])} ({ratios['dsd/sd']['median']:.2f}× sd) {mark}"
+            vs_sd = f" ({ratios['dsd/sd']['median']:.2f}× sd)" if "dsd/sd" in ratios else ""
+            cells[(s["peers"], s["ratio"])] = (f"{_ci(ratios['dsd/ar'])}{vs_sd} {mark}"
                                                + ("" if cell_complete(s) else f" … {ratios['dsd/ar']['pairs']} of {_planned_pairs(s)} pairs"))
     if not cells:
         return ""

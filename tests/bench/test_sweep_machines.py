@@ -126,7 +126,7 @@ def test_a_pinned_sweep_on_home_links_runs_each_mode_where_it_says_and_every_mod
     finally:
         pin_process(every)
     [s] = json.loads(results.read_text())["settings_runs"]
-    assert s["key"] == "tiny-N2-home" and s["calibration"]["latency_ms"] == 22.0
+    assert s["key"] == "tiny-N2-home-auto+zstd" and s["calibration"]["latency_ms"] == 22.0
     assert s["ratio"] == pytest.approx(22.0 / (s["calibration"]["t0_s"] * 1000), abs=1e-3)
     assert s["options"]["link_profile"] == "home" and s["options"]["zstd"] is True
     runs: dict[str, Any] = {r["mode"]: r for r in s["runs"]}
@@ -136,7 +136,7 @@ def test_a_pinned_sweep_on_home_links_runs_each_mode_where_it_says_and_every_mod
     assert all(set(map(int, c.replace("-", ",").split(","))) <= set(rest) for c in runs["dsd"]["cpus"]["testnet"])
     assert runs["dsd-shared"]["cpus"]["head"] == runs["dsd-shared"]["cpus"]["testnet"][0] != head
     assert runs["dsd"]["tokens"] == runs["ar"]["tokens"] == runs["dsd-shared"]["tokens"]
-    state = json.loads((tmp_path / "state" / "tiny-N2-home" / "testnet.json").read_text())
+    state = json.loads((tmp_path / "state" / s["key"] / "testnet.json").read_text())
     assert all(p["link"]["profile"] == "home" and p["link"]["mbit"] == 10.0 for p in state["peers"])
     assert all(p["cpus"] == rest for p in state["peers"])
     assert "head on CPU" in cell_machine(s) and "links home" in cell_machine(s)
