@@ -126,7 +126,7 @@ async def run_prompt(swarm: Any, legs: Any, hops: list[Any], setup: Any, workloa
     real = opts.models == "real"  # random tiny models write no code: no stop strings, no pass@1
     prompt = workload.ids(problem)
     out: list[dict[str, Any]] = []
-    wire = None if opts.codec == "auto" and not opts.zstd else WireFormat(opts.codec, opts.zstd)
+    wire = WireFormat(opts.codec, opts.zstd)  # auto: the head's compute dtype's codec, as without one
     for mode in opts.modes:
         cfg = GenerationConfig(
             mode=base_mode(mode), max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from harness import MODEL_KINDS, RESULTS_DIR, comma_list, today
 from sweep_model import MODES, SHARED
-from sweep_provenance import setting_key
+from sweep_provenance import setting_key, wire_label
 
 from dsd.node.cli.options import HIDDEN_CODECS
 from dsd.node.testnet.link_profiles import PAPER, PROFILES, named, parse_peer_profiles
@@ -64,7 +64,7 @@ class SweepOptions:
     @property
     def wire_label(self) -> str:
         """The codec as setting keys and tables name it: "" for the exact default, else e.g. int8+zstd."""
-        return "" if self.codec == "auto" and not self.zstd else self.codec + ("+zstd" if self.zstd else "")
+        return "" if self.codec == "auto" and not self.zstd else wire_label(self.codec, self.zstd)
 
     def key(self, peers: int, ratio: float | None) -> str:
         """The key of this sweep's setting of N = `peers` at t1/t0 `ratio` (None: the profile's latency)."""

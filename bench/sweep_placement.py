@@ -34,10 +34,6 @@ class Placement:
         head = frozenset({min(every)})
         return cls(head=head, peers=every - head, every=every)
 
-    @property
-    def pinned(self) -> bool:
-        return self.head is not None
-
     def pin_head(self) -> None:
         """Pin this process (the head) to its CPU, when pinning; threads it starts later inherit it."""
         if self.head is not None:

@@ -46,6 +46,11 @@ def setting_key(models: str, peers: int, ratio: float | None, profile: str | Non
     return f"{key}-{wire}" if wire else key
 
 
+def wire_label(codec: str, zstd: bool) -> str:
+    """A wire format as keys and tables name it: `int8+zstd`, `bf16`, `auto` (the exact default)."""
+    return codec + ("+zstd" if zstd else "")
+
+
 # Options added after results were first written, with the value every older setting ran with.
 LATER_OPTIONS: dict[str, Any] = {"pin_head": False, "link_profile": "paper", "peer_profiles": [], "codec": "auto",
                                  "zstd": False}
@@ -131,7 +136,7 @@ def cell_setup(setting: dict[str, Any]) -> str:
     if o["link_profile"] != "paper" or o["peer_profiles"]:
         parts.append("links " + o["link_profile"] + "".join(f", peer {p}" for p in o["peer_profiles"]))
     if o["codec"] != "auto" or o["zstd"]:
-        parts.append("codec " + o["codec"] + ("+zstd" if o["zstd"] else ""))
+        parts.append("codec " + wire_label(o["codec"], o["zstd"]))
     return "".join(f"; {x}" for x in parts)
 
 

@@ -29,6 +29,7 @@ from dsd_sweep import run_sweep
 from harness import MODEL_KINDS, comma_list, command_line, write_json
 from sweep_model import MODES, ratio_summary
 from sweep_options import PROBLEMS, SweepOptions
+from sweep_provenance import wire_label
 from sweep_report import fmt_interval
 
 from dsd.node.cli.options import HIDDEN_CODECS
@@ -56,7 +57,7 @@ def compare(settings: Sequence[dict[str, Any]]) -> dict[str, Any]:
     exact_runs = {(r["mode"], r["task_id"], r["rep"]): r for r in exact["runs"] if "error" not in r}
     out: dict[str, Any] = {}
     for s in settings:
-        label = (s["options"].get("codec", "auto") + ("+zstd" if s["options"].get("zstd") else ""))
+        label = wire_label(s["options"].get("codec", "auto"), bool(s["options"].get("zstd")))
         modes: dict[str, Any] = {}
         for mode in [m for m in MODES if any(r["mode"] == m for r in s["runs"])]:
             mine = [r for r in s["runs"] if r["mode"] == mode and "error" not in r]
@@ -136,9 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = []
     for label in codecs:
         codec, zstd = wire_of(label)
-        results = run_sweep(replace(opts, codec=codec, zstd=zstd, results=opts.stem.with_suffix(".json")), command)
-        key = replace(opts, codec=codec, zstd=zstd).key(opts.peers[0], None)
-        settings.append(next(s for s in results["settings_runs"] if s["key"] == key))
+        one = replace(opts, codec=codec, zstd=zstd, results=opts.stem.with_suffix(".json"))
+        results = run_sweep(one, command)
+        settings.append(next(s for s in results["settings_runs"] if s["key"] == one.key(opts.peers[0], None)))
     comparison = {"profile": opts.link_profile, "peers": opts.peers[0], "codecs": compare(settings)}
     stem = opts.stem
     write_json(Path(f"{stem}-codecs.json"), comparison)

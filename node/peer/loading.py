@@ -190,7 +190,8 @@ async def load_blocks(
     log.info("loaded blocks %d:%d of %s on %s in %.1f s", start, end, server.model_id, placement, time.perf_counter() - t0)
     throughput = await server.measure_throughput()
     info.update(model=server.model_id, start=start, end=end, num_layers=int(store.manifest.num_layers),
-                throughput=throughput, device=str(placement.device), dtype=placement.dtype_name, codec=server.wire.codec)
+                throughput=throughput, device=str(placement.device), dtype=placement.dtype_name, codec=server.wire.codec,
+                zstd=server.wire.zstd)
     if cfg.fault is not None:
         info["fault"] = str(cfg.fault)
     return server

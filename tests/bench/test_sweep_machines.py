@@ -139,4 +139,6 @@ def test_a_pinned_sweep_on_home_links_runs_each_mode_where_it_says_and_every_mod
     state = json.loads((tmp_path / "state" / s["key"] / "testnet.json").read_text())
     assert all(p["link"]["profile"] == "home" and p["link"]["mbit"] == 10.0 for p in state["peers"])
     assert all(p["cpus"] == rest for p in state["peers"])
+    ready = [json.loads(f.read_text()) for f in (tmp_path / "state" / s["key"] / "ready").glob("peer*.json")]
+    assert len(ready) == 2 and all(r["codec"] == "raw" and r["zstd"] is True for r in ready)  # --zstd reached the peers
     assert "head on CPU" in cell_machine(s) and "links home" in cell_machine(s)
