@@ -110,6 +110,9 @@ class Bets:
         """The full-acceptance bet (the likeliest outcome), if there is one."""
         return next((b for b in self.branches if b.main), None)
 
+    def is_dead(self, branch: Branch) -> bool:
+        return id(branch) in self.dead
+
     @property
     def spent(self) -> float:
         return sum(self.cost.values())
@@ -202,20 +205,25 @@ class Drafting:
         q = tree.q
         return Draft(list(tree.tokens), [None if q is None else q[i] for i in range(len(tree))], tree)
 
-    async def predraft(self, branches: list[Branch], gamma: int, arrived: Arrival, due: float | None,
-                       *, into: Bets | None = None) -> Bets:
-        """While the window flies: advance every outcome branch one batched step at a time until the
-        verdict arrives (the step under way is finished) or every branch holds `gamma` tokens.
+    def bets(self, branches: list[Branch]) -> Bets:
+        """Bets on `branches`, nothing drafted yet."""
+        return Bets(branches, {id(b): 0.0 for b in branches})
+
+    async def predraft(self, bets: Bets, gamma: int, arrived: Arrival, due: float | None, *,
+                       main_only: bool = False) -> Bets:
+        """While a window flies: advance every outcome branch of `bets` one batched step at a time until the
+        verdict arrives (the step under way is finished) or every branch holds `gamma` tokens; with
+        `main_only`, just the full-acceptance bet (to send it ahead before the others are drafted).
 
         A batched step costs more than a single one, so when the steps still needed would run past
         the trip's expected end (`due`, a perf_counter time), the least likely half of the other
-        branches is dropped: the main branch must be ready first. `into` continues the bets of an
-        earlier call (cut short by another window's verdict) where they stopped."""
-        bets = into if into is not None else Bets(branches, {id(b): 0.0 for b in branches})
+        branches is dropped: the main branch must be ready first. A later call continues the bets
+        where an earlier one stopped (cut short by a verdict)."""
         branches, dead = bets.branches, bets.dead
         first = True
         while True:
-            active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)]
+            active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)
+                      and (b.main or not main_only)]
             if not active or (arrived.is_set() and not first):
                 break
             t0 = time.perf_counter()

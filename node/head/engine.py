@@ -255,36 +255,56 @@ class HeadEngine:
         return logits, time.perf_counter() - flight.sent_at
 
     async def _fly(self, flight: _Flight, later: deque[_Flight], produced: int, arrived: Arrival) -> None:
-        """Draft while `flight` is out: the outcome branches of the newest window in flight, then (with room
-        in the pipeline) its full-acceptance branch sent as the next window, and so on until the verdict."""
+        """Draft while `flight` is out, until its verdict. With room in the pipeline, the newest window's
+        full-acceptance bet is drafted alone and sent as the next window first (the other branches would
+        delay it by a batched step each); then the outcome branches of every window in flight, the
+        earliest verdict's first."""
         while not arrived.is_set():
             tail = later[-1] if later else flight
-            # Tokens produced once the tail's outcome is in, if every window before it is wholly accepted.
-            after = produced + len(tail.context) - len(flight.context) + tail.drafts.depth + 1
-            gamma_next = self._next_gamma(after)
+            gamma_next = self._next_gamma(self._after(flight, tail, produced))
             if gamma_next <= 0:
                 return
-            if tail.bets is None or not tail.bets_done:
-                expected = self.window.expected_round_s(len(tail.drafts.tokens))
-                due = None if expected is None else tail.sent_at + expected
-                # Draft a little past the current choice: the controller may pick a longer window once
-                # this round is observed, and a branch shorter than that would cut the next window short.
-                room = self.cfg.max_new_tokens - after
-                ahead = max(gamma_next, min(gamma_next + LOOKAHEAD, self.cfg.gamma_max, room))
-                branches = self._branches(tail.context, tail.drafts) if tail.bets is None else tail.bets.branches
-                tail.bets = await self.drafting.predraft(branches, ahead, arrived, due, into=tail.bets)
-                tail.bets_done = not arrived.is_set()
-                continue
+            if tail.bets is None:
+                tail.bets = self.drafting.bets(self._branches(tail.context, tail.drafts))
             main = tail.bets.main
-            if 1 + len(later) >= self.pipeline or tail.drafts.tree is not None or main is None or not main.tokens:
+            if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
+                    and not tail.bets.is_dead(main) and self._worth_sending(tail, main):
+                if len(main.tokens) < gamma_next:
+                    await self.drafting.predraft(tail.bets, gamma_next, arrived, None, main_only=True)
+                    continue
+                assert main.root is not None
+                context = main.prefix + [main.root]
+                drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
+                self.result.ahead_gaps.append(time.perf_counter() - tail.sent_at)
+                await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1, commit=len(context) - 1)
+                continue
+            pending = next((f for f in (flight, *later) if not f.bets_done), None)
+            if pending is None:
                 return
-            # Worth sending only if the bet is likely: as the draft rates it, or as the measured acceptance does.
-            if max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1)) < self.cfg.ahead_min:
-                return
-            assert main.root is not None
-            context = main.prefix + [main.root]
-            drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
-            await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1, commit=len(context) - 1)
+            after = self._after(flight, pending, produced)
+            gamma_pending = self._next_gamma(after)
+            if gamma_pending <= 0:
+                pending.bets_done = True
+                continue
+            if pending.bets is None:
+                pending.bets = self.drafting.bets(self._branches(pending.context, pending.drafts))
+            expected = self.window.expected_round_s(len(pending.drafts.tokens))
+            due = None if expected is None else pending.sent_at + expected
+            # Draft a little past the current choice: the controller may pick a longer window once
+            # this round is observed, and a branch shorter than that would cut the next window short.
+            room = self.cfg.max_new_tokens - after
+            ahead = max(gamma_pending, min(gamma_pending + LOOKAHEAD, self.cfg.gamma_max, room))
+            await self.drafting.predraft(pending.bets, ahead, arrived, due)
+            pending.bets_done = not arrived.is_set()
+
+    @staticmethod
+    def _after(flight: _Flight, window: _Flight, produced: int) -> int:
+        """Tokens produced once `window`'s outcome is in, if every window before it is wholly accepted."""
+        return produced + len(window.context) - len(flight.context) + window.drafts.depth + 1
+
+    def _worth_sending(self, tail: _Flight, main: Branch) -> bool:
+        """A window goes ahead only if its bet is likely: as the draft rates it, or as the measured acceptance does."""
+        return max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1)) >= self.cfg.ahead_min
 
     def _went_on(self, tally: GenerationResult, flight: _Flight) -> None:
         """The outcome matched the window sent ahead of it: count a ready round and the drafting it used."""
