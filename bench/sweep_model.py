@@ -15,15 +15,17 @@ from typing import Any
 import numpy as np
 from sweep_provenance import set_apart_groups, stretches
 
-MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial", "ar-shared", "sd-shared", "dsd-shared")
+MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial", "dsd-batched", "ar-shared",
+         "sd-shared", "dsd-shared")
 # Paired ratios reported when both modes ran: the speedups, trees (the controller's choice) vs chains, the
 # pipeline, and a pinned head vs one sharing every CPU (with the speedups of the shared placement).
 RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
-          ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"),
+          ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"), ("dsd", "dsd-batched"),
           ("dsd", "dsd-shared"), ("sd", "sd-shared"), ("ar", "ar-shared"),
           ("dsd-shared", "ar-shared"), ("sd-shared", "ar-shared"), ("dsd-shared", "sd-shared"))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
 SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-drafting overlap alone
+BATCHED = "-batched"  # dsd sending a window ahead only once every outcome branch is drafted (before 2026-12-05)
 SHARED = "-shared"  # the base mode with the head on every CPU beside the peers (`--pin-head` pins the others)
 # The engine's window limits the model follows (node/head/config.py; a test checks they agree):
 GAMMA_MAX = 16  # the longest chain window
@@ -34,8 +36,9 @@ BAND_Z = 2.0  # a bound's Monte-Carlo band: ±2 binomial sd of its rank among th
 
 def base_mode(mode: str) -> str:
     """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only, `dsd-serial` runs `dsd`
-    with one window in flight, `dsd-shared` runs `dsd` with the head sharing the peers' CPUs."""
-    return mode.removesuffix(SHARED).removesuffix(CHAIN).removesuffix(SERIAL)
+    with one window in flight, `dsd-batched` sends it ahead after all branches, `dsd-shared` runs `dsd` with
+    the head sharing the peers' CPUs."""
+    return mode.removesuffix(SHARED).removesuffix(CHAIN).removesuffix(SERIAL).removesuffix(BATCHED)
 
 
 def interp(table: dict[int, float], x: float) -> float:

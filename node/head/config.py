@@ -54,6 +54,7 @@ class GenerationConfig:
     deadline: DeadlineRule = field(default_factory=DeadlineRule)  # how long a window's result is awaited
     tree_nodes: int | None = None  # drafted nodes of a tree window: None = the controller decides, 0 = chains
     pipeline: int = 2  # dsd: windows in flight at once (the next sent on the full-acceptance bet); 1 = one
+    ahead_alone: bool = True  # dsd: draft the full-acceptance bet alone and send it before the other branches
     ahead_min: float = 0.05  # dsd: send a window ahead only if its bet is at least this likely (draft's q or measured α)
     logprobs: int | None = None  # record the target's log-probability of each token and this many alternatives (None: off)
 

@@ -257,8 +257,8 @@ class HeadEngine:
     async def _fly(self, flight: _Flight, later: deque[_Flight], produced: int, arrived: Arrival) -> None:
         """Draft while `flight` is out, until its verdict. With room in the pipeline, the newest window's
         full-acceptance bet is drafted alone and sent as the next window first (the other branches would
-        delay it by a batched step each); then the outcome branches of every window in flight, the
-        earliest verdict's first."""
+        delay it by a batched step each; `ahead_alone` off: it goes once they are drafted); then the
+        outcome branches of every window in flight, the earliest verdict's first."""
         while not arrived.is_set():
             tail = later[-1] if later else flight
             gamma_next = self._next_gamma(self._after(flight, tail, produced))
@@ -268,16 +268,18 @@ class HeadEngine:
                 tail.bets = self.drafting.bets(self._branches(tail.context, tail.drafts))
             main = tail.bets.main
             if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
-                    and not tail.bets.is_dead(main) and self._worth_sending(tail, main):
-                if len(main.tokens) < gamma_next:
+                    and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main):
+                if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not tail.bets.is_dead(main):
                     await self.drafting.predraft(tail.bets, gamma_next, arrived, None, main_only=True)
                     continue
-                assert main.root is not None
-                context = main.prefix + [main.root]
-                drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
-                self.result.ahead_gaps.append(time.perf_counter() - tail.sent_at)
-                await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1, commit=len(context) - 1)
-                continue
+                if main.tokens:
+                    assert main.root is not None
+                    context = main.prefix + [main.root]
+                    drafts = Draft(main.tokens[:gamma_next], main.probs[:gamma_next])
+                    self.result.ahead_gaps.append(time.perf_counter() - tail.sent_at)
+                    await self._launch(later, context, drafts, tail.epoch, start=len(context) - 1,
+                                       commit=len(context) - 1)
+                    continue
             pending = next((f for f in (flight, *later) if not f.bets_done), None)
             if pending is None:
                 return
