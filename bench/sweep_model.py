@@ -21,6 +21,7 @@ MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial
 # pipeline, and a pinned head vs one sharing every CPU (with the speedups of the shared placement).
 RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
           ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"), ("dsd", "dsd-batched"),
+          ("dsd-batched", "ar"), ("dsd-batched", "sd"),
           ("dsd", "dsd-shared"), ("sd", "sd-shared"), ("ar", "ar-shared"),
           ("dsd-shared", "ar-shared"), ("sd-shared", "ar-shared"), ("dsd-shared", "sd-shared"))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
@@ -81,11 +82,12 @@ def pipelined_round(r: float, p: float, send: float, after: float) -> float:
     return (1.0 - p) * (r + after) + (send * p + max(r - send, send) * p * p) / (1.0 + p)
 
 
-def predict(mode: str, cal: dict[str, Any], gamma: int, pipeline: int = 1) -> dict[str, float]:
+def predict(mode: str, cal: dict[str, Any], gamma: int, pipeline: int = 1, alone: bool = True) -> dict[str, float]:
     """Seconds per token of `mode` with window γ, from the calibration record only (see docs/benchmarks.md).
 
     `pipeline` is dsd's windows in flight: 1 (`dsd-serial`) or 2 (the default); deeper pipelines
-    are not modelled (ValueError)."""
+    are not modelled (ValueError). `alone`: the bet is drafted by itself and sent first (`dsd`), not
+    once every branch is (`dsd-batched`)."""
     n, t1 = cal["peers"], cal["latency_ms"] / 1000
     t0 = {int(k): v for k, v in cal["t0_window_s"].items()}
     head = {int(k): v for k, v in cal["head_window_s"].items()}
@@ -103,7 +105,8 @@ def predict(mode: str, cal: dict[str, Any], gamma: int, pipeline: int = 1) -> di
         t = r + p * max(0.0, (gamma + 1) * step - r) + (1.0 - p) * gamma * d
         if pipeline > 2:
             raise ValueError(f"the timing model describes at most 2 windows in flight, not {pipeline}")
-        send = (1 + min(gamma + LOOKAHEAD, GAMMA_MAX)) * step  # the bonus guess, then the branch past γ
+        # The bonus guess, then γ tokens in single steps (alone), or every branch past γ in batched steps.
+        send = (1 + gamma) * d if alone else (1 + min(gamma + LOOKAHEAD, GAMMA_MAX)) * step
         if pipeline == 2 and send < r:  # the bet goes out before the verdict; else dsd runs serially
             alt = cal["alt_hit"]
             after = alt * max(0.0, (gamma + 1) * step - r) + (1.0 - alt) * gamma * d
@@ -112,11 +115,11 @@ def predict(mode: str, cal: dict[str, Any], gamma: int, pipeline: int = 1) -> di
     return {"round_s": r, "tokens_per_round": tokens, "s_per_token": t / tokens, "gamma": gamma, "p_ready": p}
 
 
-def best_gamma(mode: str, cal: dict[str, Any], gamma_max: int = GAMMA_MAX, pipeline: int = 1) -> int:
+def best_gamma(mode: str, cal: dict[str, Any], gamma_max: int = GAMMA_MAX, pipeline: int = 1, alone: bool = True) -> int:
     """The window the model says is fastest (what the engine's controller aims for)."""
     if mode == "ar":
         return 0
-    return min(range(1, gamma_max + 1), key=lambda g: (predict(mode, cal, g, pipeline)["s_per_token"], g))
+    return min(range(1, gamma_max + 1), key=lambda g: (predict(mode, cal, g, pipeline, alone)["s_per_token"], g))
 
 
 def paper_prediction(n: int, t0: float, t1: float, tokens_per_round: float) -> dict[str, float]:
@@ -267,6 +270,12 @@ def pipeline_depth(mode: str, setting: dict[str, Any]) -> int:
     return 1
 
 
+def sends_alone(mode: str, runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether the mode's runs sent the bet ahead drafted alone: not `dsd-batched`, and an engine that does
+    (its runs record `ahead_gap_s`; runs before that rule sent it once every branch was drafted)."""
+    return not mode.endswith(BATCHED) and any("ahead_gap_s" in r for r in runs)
+
+
 def summarize(setting: dict[str, Any]) -> dict[str, Any]:
     """Per mode: totals, the median tok/s with its interval, the model's prediction; plus the paired speedups."""
     runs = [r for r in setting["runs"] if "error" not in r]  # a failed run has no counters; it is counted apart
@@ -287,8 +296,9 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         med, lo, hi, lo_err, hi_err = bootstrap_interval(list(by_task.values()))
         row["median_tokens_per_s"], row["median_tokens_per_s_mc"] = [med, lo, hi], [lo_err, hi_err]
         depth = pipeline_depth(m, setting)
-        gamma = best_gamma(base_mode(m), cal, pipeline=min(depth, 2))
-        pred = predict(base_mode(m), cal, gamma, pipeline=min(depth, 2))
+        alone = sends_alone(m, mine)
+        gamma = best_gamma(base_mode(m), cal, pipeline=min(depth, 2), alone=alone)
+        pred = predict(base_mode(m), cal, gamma, pipeline=min(depth, 2), alone=alone)
         # The model describes up to two windows in flight; a deeper pipeline is measured only, never "predicted".
         row["model"] = None if depth > 2 else {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
         row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])

@@ -164,15 +164,21 @@ def test_pipelined_model_reduces_to_serial_dsd_when_no_bet_can_win_or_go_out_in_
     # is ready only when an alternative was right (serial dsd's rule with P = alt_hit).
     never = cal(alpha=0.0, alt_hit=0.5)
     assert predict("dsd", never, 3, pipeline=2)["s_per_token"] == pytest.approx(predict("dsd", never, 3)["s_per_token"])
-    # Bets that take longer to draft than the trip never go out early: serial dsd.
+    # Bets that take longer to draft than the trip never go out early: serial dsd (`dsd-batched`'s rule,
+    # all branches drafted first). Drafted alone in single steps, the same bet goes out in time and helps.
     slow = cal(alpha=0.9, alt_hit=0.5, branch_step_s=1.0)
-    assert predict("dsd", slow, 3, pipeline=2)["s_per_token"] == pytest.approx(predict("dsd", slow, 3)["s_per_token"])
+    serial = predict("dsd", slow, 3)["s_per_token"]
+    assert predict("dsd", slow, 3, pipeline=2, alone=False)["s_per_token"] == pytest.approx(serial)
+    assert predict("dsd", slow, 3, pipeline=2)["s_per_token"] < 0.9 * serial
     # Every bet wins and the bets are quick: two windows share each trip, so half a trip per window.
     r = 5 * 0.5 + 4 * interp(T0, 8) + 0.01
     assert predict("dsd", cal(), 7, pipeline=2)["s_per_token"] == pytest.approx(r / 2 / 8)
-    # Every bet wins but drafting a bet takes longer than half a trip: windows leave one bet's drafting apart.
+    # Every bet wins but drafting a bet takes longer than half a trip: windows leave one bet's drafting apart
+    # (every branch batched, `dsd-batched`; the bet alone takes γ + 1 single steps).
     send = (1 + 7 + LOOKAHEAD) * 0.2
-    assert predict("dsd", cal(branch_step_s=0.2), 7, pipeline=2)["s_per_token"] == pytest.approx(send / 8)
+    assert predict("dsd", cal(branch_step_s=0.2), 7, pipeline=2, alone=False)["s_per_token"] == pytest.approx(send / 8)
+    send = (1 + 7) * 0.2
+    assert predict("dsd", cal(draft_s_per_token=0.2), 7, pipeline=2)["s_per_token"] == pytest.approx(send / 8)
 
 
 def _simulated_pipeline(p: float, r: float, send: float, after: float, windows: int, seed: int) -> float:
