@@ -189,6 +189,8 @@ class HeadEngine:
             outcome = self._verify(logits, flight.drafts, start=len(flight.context))
             self.times.verifying += time.perf_counter() - t_v
             self._count(tally, flight.drafts, outcome, round_s)
+            log.debug("verdict: epoch %d, %d of %d drafts accepted, round %.3f s, %d window(s) still out",
+                      flight.epoch, outcome.accepted, len(flight.drafts.tokens), round_s, len(flights))
             emitted, finished = self._clip(outcome.tokens, new)
             if self.cfg.logprobs is not None:
                 rows = emitted_rows(outcome.path, len(emitted))
@@ -231,6 +233,8 @@ class HeadEngine:
             tree["keep"] = keep
         await self.backend.submit(list(context[start:]) + drafts.tokens, start=start, commit=commit, epoch=epoch, **tree)
         flights.append(_Flight(drafts, list(context), epoch, time.perf_counter()))
+        log.debug("sent: epoch %d, %d tokens (%d drafts) at position %d, %d window(s) out",
+                  epoch, len(context) - start + len(drafts.tokens), len(drafts.tokens), start, len(flights))
 
     async def _trip(self, flight: _Flight, later: deque[_Flight], produced: int) -> tuple[torch.Tensor, float]:
         """Wait for the window's target logits (the round's seconds since it was sent); in dsd, pre-draft
