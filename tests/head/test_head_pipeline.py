@@ -38,16 +38,10 @@ class SlowLocal(LocalBackend):
         self._due: deque[tuple[int, float]] = deque()
         self.sent = 0
         self.most_in_flight = 0
-        self.ahead_gaps: list[float] = []  # per window sent while another was in flight: seconds after the last send
-        self._last_sent: float | None = None
 
     async def submit(self, tokens, *, start, commit, epoch, parents=None, keep=None) -> None:
         await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
-        now = trio.current_time()
-        if self._due and self._last_sent is not None:
-            self.ahead_gaps.append(now - self._last_sent)
-        self._last_sent = now
-        self._due.append((epoch, now + self.trip_s))
+        self._due.append((epoch, trio.current_time() + self.trip_s))
         self.sent += 1
         self.most_in_flight = max(self.most_in_flight, len(self._due))
 
@@ -165,30 +159,55 @@ def test_drafting_behind_trips_is_reported_hidden_in_the_pipeline(tiny_qwen2_roo
 
 
 class BatchCostDraft(ModelDrafter):
-    """A drafter whose batched step costs `ROW_S` per context, as a CPU's does: pre-drafting nine outcome
-    branches costs about nine single steps per token."""
+    """A drafter whose batched step costs `ROW_S` per context, as a CPU's does (pre-drafting nine outcome
+    branches costs about nine single steps per token); counts the rows it drafts."""
 
-    ROW_S = 0.03
+    ROW_S = 0.01
+    rows = 0
 
     def step_many(self, contexts):
         time.sleep(self.ROW_S * len(contexts))
+        self.rows += len(contexts)
         return super().step_many(contexts)
+
+
+class RowsAtSend(SlowLocal):
+    """Records, for each window sent while another is in flight, the draft rows stepped since the pipeline last
+    had room (the last send or verdict)."""
+
+    def __init__(self, *args, drafter: BatchCostDraft, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafter = drafter
+        self.ahead_rows: list[int] = []
+        self._mark = 0
+
+    async def submit(self, tokens, **kw) -> None:
+        if self._due:
+            self.ahead_rows.append(self.drafter.rows - self._mark)
+        self._mark = self.drafter.rows
+        await super().submit(tokens, **kw)
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        out = await super().collect(epoch=epoch, rows=rows)
+        self._mark = self.drafter.rows
+        return out
 
 
 @pytest.mark.parametrize("alone", [True, False])
 def test_the_full_acceptance_bet_goes_ahead_before_the_other_branches(tiny_qwen2_root, alone: bool) -> None:
-    """With room in the pipeline the next window is drafted alone and sent at once: a window sent ahead of a
-    fresh one leaves γ + 1 single steps after it, not after all nine branches are drafted (about 9 × 8 rows
-    = 2 s here, what `ahead_alone=False` waits for); the other branches follow while both windows fly."""
+    """With room in the pipeline the next window's bet is drafted alone and sent at once. During the prompt's
+    trip the bets are full acceptance (its bonus guess, then γ tokens) and two other guesses of the bonus:
+    alone, the window goes after the bet's γ + 1 single rows; `ahead_alone=False` waits for all three branches
+    (1 + 3γ rows). The other branches are drafted after, while both windows fly."""
     store = Store(tiny_qwen2_root / "store")
     drafter = BatchCostDraft(store.load_full(), SamplingParams())
     gamma, n = 4, 24
-    result, backend = _run(store, drafter, PROMPTS[0], n, trip_s=3.0, gamma=gamma, gamma_max=gamma, branches=8,
+    backend = RowsAtSend(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=1.5, drafter=drafter)
+    cfg = GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0, gamma=gamma, gamma_max=gamma, branches=8,
                            ahead_alone=alone)
+    result = trio.run(HeadEngine(backend, drafter, cfg).run, PROMPTS[0])
     assert result.tokens == _reference(tiny_qwen2_root / "hf", PROMPTS[0], n)
-    assert result.pipelined_rounds >= 2 and backend.ahead_gaps, result.as_dict()
-    single_steps = (gamma + 1) * BatchCostDraft.ROW_S
-    # The first goes out during the prompt's trip (its window has no drafts, hence few branches): skip it.
-    assert (min(backend.ahead_gaps[1:]) < single_steps + 0.5) == alone, backend.ahead_gaps
-    assert result.ahead_gaps == pytest.approx(backend.ahead_gaps, abs=0.05)
+    assert result.pipelined_rounds >= 2 and backend.ahead_rows, result.as_dict()
+    assert backend.ahead_rows[0] == (gamma + 1 if alone else 1 + 3 * gamma), backend.ahead_rows
+    assert len(result.ahead_gaps) == len(backend.ahead_rows) and min(result.ahead_gaps) > 0
     assert result.times.drafting_hidden_wasted > 0  # the other branches were still drafted (and lost here)
