@@ -124,9 +124,11 @@ def test_first_tokens_follow_the_target_distribution(sampling_models, mode: str)
         assert not reused
     else:
         # A branch is reused when the target's first token is one of the draft's guesses: its draw and its
-        # runners-up on the same perturbed scores (about 4 in 5 here; 1 in 4 when the draft's guesses were its
-        # likeliest tokens under independent draws); the second tokens of those windows follow the target too.
-        assert len(reused) > SAMPLING_RUNS // 2
+        # runners-up on the same perturbed scores; the second tokens of those windows follow the target too.
+        # The local backend's verdict is instant and the bet is drafted alone first, so the runners-up are
+        # often not drafted in time: about half are reused here (1 in 4 when the draft's guesses were its
+        # likeliest tokens under independent draws).
+        assert len(reused) > SAMPLING_RUNS // 3
         p_reused = p_second_given_first(sampling_models, reused)
         print(f"dsd, reused windows only: p(second | first) = {p_reused:.3g}")
         assert p_reused > SAMPLING_ALPHA

@@ -130,7 +130,7 @@ def test_bets_continued_past_a_verdict_count_as_hidden_but_for_the_overrun() -> 
     main = Branch(prefix=list(PROMPT), k=0, root=None, value=1.0, main=True)
 
     async def two_trips():
-        bets = await drafting.predraft([main], 2, Arrival(), None)  # root + 2 tokens, no verdict yet: 3 steps
+        bets = await drafting.predraft(drafting.bets([main]), 2, Arrival(), None)  # root + 2 tokens: 3 steps
         verdict = Arrival()
 
         async def arrive() -> None:
@@ -139,7 +139,7 @@ def test_bets_continued_past_a_verdict_count_as_hidden_but_for_the_overrun() -> 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(arrive)
-            bets = await drafting.predraft(bets.branches, 6, verdict, None, into=bets)  # one step, overtaken
+            bets = await drafting.predraft(bets, 6, verdict, None)  # one step, overtaken
         return bets
 
     bets = trio.run(two_trips)
