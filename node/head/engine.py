@@ -268,13 +268,11 @@ class HeadEngine:
             gamma_next = self._next_gamma(self._after(flight, tail, produced))
             if gamma_next <= 0:
                 return
-            if tail.bets is None:
-                tail.bets = self.drafting.bets(self._branches(tail.context, tail.drafts))
-            main = tail.bets.main
+            main = self._bets_of(tail).main
             if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
                     and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main):
-                if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not tail.bets.is_dead(main):
-                    await self.drafting.predraft(tail.bets, gamma_next, arrived, None, main_only=True)
+                if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not self._bets_of(tail).is_dead(main):
+                    await self.drafting.predraft(self._bets_of(tail), gamma_next, arrived, None, main_only=True)
                     continue
                 if main.tokens:
                     assert main.root is not None
@@ -292,16 +290,21 @@ class HeadEngine:
             if gamma_pending <= 0:
                 pending.bets_done = True
                 continue
-            if pending.bets is None:
-                pending.bets = self.drafting.bets(self._branches(pending.context, pending.drafts))
+            bets = self._bets_of(pending)
             expected = self.window.expected_round_s(len(pending.drafts.tokens))
             due = None if expected is None else pending.sent_at + expected
             # Draft a little past the current choice: the controller may pick a longer window once
             # this round is observed, and a branch shorter than that would cut the next window short.
             room = self.cfg.max_new_tokens - after
             ahead = max(gamma_pending, min(gamma_pending + LOOKAHEAD, self.cfg.gamma_max, room))
-            await self.drafting.predraft(pending.bets, ahead, arrived, due)
+            await self.drafting.predraft(bets, ahead, arrived, due)
             pending.bets_done = not arrived.is_set()
+
+    def _bets_of(self, window: _Flight) -> Bets:
+        """The outcome bets of a window in flight, planned on first use."""
+        if window.bets is None:
+            window.bets = self.drafting.bets(self._branches(window.context, window.drafts))
+        return window.bets
 
     @staticmethod
     def _after(flight: _Flight, window: _Flight, produced: int) -> int:
