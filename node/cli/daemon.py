@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout_s, metavar="S", help="free a session after S seconds without a message")
     add_codec_options(p, "this peer's")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
+    p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S", help="announce this throughput (decode tokens/s through the whole span) instead of measuring it at start: a figure measured when the machine was idle, or a weight that steers heads' routes (default: measured)")
     nat = p.add_argument_group("NAT traversal (docs/nat.md)")
     nat.add_argument("--reachability", choices=("auto", "public", "private"), default="auto", help="whether others can dial this peer where it listens: auto asks the bootstrap peers to dial back (AutoNAT); private = behind a NAT: reserve slots on relays and announce addresses through them (default auto)")
     nat.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None, help="serve circuit relay v2 for peers behind NATs (default: on for --bootstrap-only, off otherwise)")
@@ -104,6 +105,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,
+        throughput=args.throughput,
         ready_file=args.ready_file,
         allow_peers=read_allow_list(args.allow_peers),
         record_ttl_s=args.record_ttl,
@@ -118,6 +120,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         print(f"dsd-node: --metrics-port must be in 0..65535, got {args.metrics_port}", file=sys.stderr)
+        return 2
+    if args.throughput is not None and not 0 < args.throughput < float("inf"):
+        print(f"dsd-node: --throughput must be a positive number of tokens/s, got {args.throughput:g}", file=sys.stderr)
         return 2
     if args.federated and cfg.store is None and cfg.fetch is None:
         print("dsd-node: --federated needs --store or --model (the whole model the worker serves)", file=sys.stderr)

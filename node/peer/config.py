@@ -35,6 +35,7 @@ class DaemonConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps (shard_store.devices)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16: the compute dtype, whatever the store holds
     threads: int | None = None
+    throughput: float | None = None  # tokens/s to announce instead of measuring at start (`--throughput`)
     ready_file: Path | None = None
     allow_peers: set[str] | None = None
     record_ttl_s: float = 30.0

@@ -158,12 +158,21 @@ async def load_worker(
                                 device=placement.device, dtype=placement.dtype, metrics=metrics)
     )
     log.info("loaded %s as a federated worker in %.1f s", worker.model_id, time.perf_counter() - t0)
-    throughput = await worker.measure_throughput()
+    throughput = await announced_throughput(cfg, worker)
     info.update(role="federated", model=worker.model_id, start=0, end=worker.num_layers,
                 num_layers=worker.num_layers, vocab_size=worker.vocab_size, topk_cap=worker.topk_cap,
                 throughput=throughput, device=str(placement.device), dtype=placement.dtype_name)
     node.set_handler(FEDERATED_PROTOCOL, worker.serve)
     return Announcer(node, worker.records, ttl_s=cfg.record_ttl_s)
+
+
+async def announced_throughput(cfg: DaemonConfig, server: BlockServer | FederatedWorker) -> float:
+    """The tokens/s the peer announces: `--throughput` as given, else measured on its device now."""
+    if cfg.throughput is None:
+        return await server.measure_throughput()
+    server.throughput = cfg.throughput
+    log.info("announcing a throughput of %g tokens/s as given (--throughput), not measured", cfg.throughput)
+    return cfg.throughput
 
 
 async def choose_span(cfg: DaemonConfig, node: P2PNode, store: Store, want: int) -> tuple[int, int]:
@@ -188,7 +197,7 @@ async def load_blocks(
                             device=placement.device, dtype=placement.dtype, fault=cfg.fault)
     )
     log.info("loaded blocks %d:%d of %s on %s in %.1f s", start, end, server.model_id, placement, time.perf_counter() - t0)
-    throughput = await server.measure_throughput()
+    throughput = await announced_throughput(cfg, server)
     info.update(model=server.model_id, start=start, end=end, num_layers=int(store.manifest.num_layers),
                 throughput=throughput, device=str(placement.device), dtype=placement.dtype_name, codec=server.wire.codec,
                 zstd=server.wire.zstd)

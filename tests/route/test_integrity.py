@@ -200,11 +200,13 @@ def nearest_liar(tiny_qwen2_root: Path, tmp_path_factory: pytest.TempPathFactory
     process, never in the swarm: every test here starts a head of its own and meets the liar afresh."""
     store = tiny_qwen2_root / "store"
     with DaemonSwarm(tmp_path_factory.mktemp("nearest_liar")) as net:
-        # One after the other: each peer measures its throughput at start, and peers measuring at once on a small
-        # machine announce throughputs far apart, enough to outweigh the 40 ms and put an honest peer first.
-        slow = ["--wan-latency-ms", "40"]
-        liar = net.peer("liar", store, "0:3", "--faulty", "noise")
-        peers = [net.peer(name, store, blocks, *extra)
+        # Every peer announces the same throughput (`--throughput`), so the 40 ms of a1 and a2 alone decide: the
+        # liar is the nearest peer for 0:3. Measured throughputs are not used here: a peer measuring while the
+        # machine is busy announces a figure several times smaller (162 against 909 tokens/s in one CI run), which
+        # outweighs the 40 ms and puts an honest peer first.
+        same, slow = ["--throughput", "1000"], ["--wan-latency-ms", "40"]
+        liar = net.peer("liar", store, "0:3", "--faulty", "noise", *same)
+        peers = [net.peer(name, store, blocks, *same, *extra)
                  for name, blocks, extra in (("a1", "0:3", slow), ("a2", "0:3", slow), ("b1", "3:5", []), ("b2", "3:5", []))]
         net.wait_route(MODEL, LAYERS)
         yield {"bootstrap": net.bootstrap, "store": store, "liar": liar["peer_id"],
