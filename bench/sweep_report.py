@@ -61,6 +61,10 @@ def _get(ratios: dict[str, Any], key: str) -> str:
     return _ci(ratios[key]) if key in ratios else "-"
 
 
+PANELS = ("dsd/ar", "sd/ar", "dsd/sd", "dsd/ar decode", "sd/ar decode")  # the grid plot's; the rest stay in the tables
+MAIN_RATIOS = frozenset(PANELS)  # the first table's ratio columns; every other ratio goes to the table of the rest
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """Three tables, each cell with its machine: the paired speedups per setting (median, 95 % CI; bounds to
     their stable digits) with t1/t0 as the `ar` rounds measured it, every mode's figures, trees and pipelines."""
@@ -96,14 +100,16 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"{r['drafting_exposed_s']:.1f} | {r['bytes_per_token'] / 1024:.0f} KiB | {same} | "
                 f"{fmt(r.get('pass_at_1'))} |")
         for name, r in ratios.items():
-            if ("-chain" in name or "-serial" in name) and not name.endswith(("tokens/trip", "decode")):
+            if name not in MAIN_RATIOS and not name.endswith(("tokens/trip", "decode")):
                 trip = ratios.get(f"{name} tokens/trip")
                 trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {machine} | {name} | {_ci(r)} | "
                              f"{_ci(trip) if trip else '-'} | {r['pairs']} |")
     out = "\n".join(lines) + "\n\n" + "\n".join(rows) + "\n"
     if len(trees) > 2:
-        out += ("\nToken trees (--tree-nodes as given; auto: the controller decides) vs chains, and dsd's pipeline vs one "
-                "window in flight (dsd-serial), paired per prompt and repetition:\n\n")
+        out += ("\nThe other paired ratios, per prompt and repetition: token trees (--tree-nodes as given; auto: the "
+                "controller decides) vs chains (-chain), dsd's pipeline vs one window in flight (-serial), the bet sent "
+                "ahead alone vs once every branch is drafted (-batched), the head on its own CPU vs sharing every CPU "
+                "(-shared):\n\n")
         out += "\n".join(trees) + "\n"
     fed = results.get("federated")
     if fed:
@@ -111,7 +117,6 @@ def markdown_table(results: dict[str, Any]) -> str:
     return out
 
 
-PANELS = ("dsd/ar", "sd/ar", "dsd/sd", "dsd/ar decode", "sd/ar decode")  # the grid plot's; the rest stay in the tables
 
 
 def _model(summ: dict[str, Any], name: str) -> float | None:

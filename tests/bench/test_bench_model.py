@@ -250,6 +250,25 @@ def test_a_discarded_run_is_shown_with_its_reason_and_its_prompt_runs_again(tmp_
     assert [(rep, p["task_id"]) for rep, p in run_setting_todo(opts, setting, workload)] == [(1, "B")]
 
 
+def test_a_cell_report_lists_every_paired_ratio_beyond_the_main_columns() -> None:
+    """The lever (dsd vs dsd-batched) and pinning (dsd vs dsd-shared) are paired ratios of their own: the report
+    prints each with its interval and pairs, not only the JSON."""
+    from sweep_report import markdown_table
+
+    runs = []
+    for rep in (1, 2):
+        runs += [_run("A", rep, "ar", 1.0, [1]), _run("A", rep, "sd", 2.0, [1]), _run("A", rep, "dsd", 3.0, [1]),
+                 _run("A", rep, "dsd-batched", 2.5, [1]), _run("A", rep, "dsd-shared", 4.0, [1])]
+    setting = {"key": "real-N4-r5", "models": "real", "peers": 4, "ratio": 5.0, "calibration": cal(), "runs": runs,
+               "provenance": {"commit": "c" * 40, "dirty": False, "command": "x", "load_before": [1.0, 1.0, 1.0]}}
+    setting["summary"] = summarize(setting)
+    rows = {line.split(" | ")[4]: line.split(" | ")[5] for line in markdown_table({"settings_runs": [setting]}).splitlines()
+            if line.count(" | ") == 7 and "/" in line.split(" | ")[4]}
+    assert rows["dsd/dsd-batched"].startswith("1.20×") and rows["dsd/dsd-shared"].startswith("0.75×"), rows
+    assert {"dsd-batched/ar", "dsd-batched/sd", "dsd-shared/ar-shared"} & rows.keys() == {"dsd-batched/ar", "dsd-batched/sd"}
+    assert not {"dsd/ar", "sd/ar", "dsd/sd"} & rows.keys()  # those are the first table's columns
+
+
 def _setting(key: str, peers: int, ratio: float, opts: SweepOptions, **options: object) -> dict:
     return {"key": key, "models": "real", "peers": peers, "ratio": ratio, "runs": [_run("A", 1, "ar", 1.0, [1])],
             "options": {**setting_options(opts), **options}, "calibration": cal(), "provenance": {"commit": "c"}}
