@@ -190,7 +190,25 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, float]:
         "drafting_hidden_wasted_s": sum(t["drafting_hidden_wasted_s"] for t in tb),
         "drafting_exposed_s": exposed,
         "hidden_used_share": used / (used + exposed) if used + exposed > 0 else 0.0,
+        "run_s": run_medians(runs),
     }
+
+
+RUN_PARTS = {"run": lambda r: r["elapsed_s"], "prompt's trip": lambda r: r.get("prefill_s"),
+             "drafting": lambda r: r.get("time_breakdown", {}).get("drafting_s"),
+             "drafting never used": lambda r: r.get("time_breakdown", {}).get("drafting_hidden_wasted_s"),
+             "waiting": lambda r: r.get("time_breakdown", {}).get("waiting_s"),
+             "bet sent after its window": lambda r: r.get("ahead_gap_s")}
+
+
+def run_medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a typical run's time goes: the median over runs of each part (s); and how soon a bet on a window in
+    flight left after that window (each run's median gap) where the runs recorded it."""
+    out: dict[str, float | None] = {}
+    for name, part in RUN_PARTS.items():
+        values = [v for r in runs if (v := part(r)) is not None]
+        out[name] = round(statistics.median(values), 3) if values else None
+    return out
 
 
 def decode_tokens_per_s(run: dict[str, Any]) -> float:

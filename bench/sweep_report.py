@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import RESULTS_DIR, write_json
+from sweep_model import RUN_PARTS
 from sweep_provenance import cell_machine, set_apart_groups, stretches_table
 
 
@@ -73,6 +74,7 @@ def markdown_table(results: dict[str, Any]) -> str:
              "load before → after |", "|" + "---|" * 18]
     rows = ["| model | N | t1/t0 | machine | mode | tok/s (median, 95 % CI) | tokens/trip | k̄ | drafted/window | tree windows "
             "| ready | sent ahead | drafting hidden & used | wasted s | exposed s | bytes/tok | = ref | pass@1 |", "|" + "---|" * 18]
+    times = ["| model | N | t1/t0 | machine | mode | " + " | ".join(RUN_PARTS) + " |", "|" + "---|" * (5 + len(RUN_PARTS))]
     trees = ["| model | N | t1/t0 | machine | ratio | tok/s (median, 95 % CI) | tokens/trip (median, 95 % CI) | pairs |",
              "|" + "---|" * 8]
     for s in results["settings_runs"]:
@@ -99,12 +101,18 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"{r.get('pipelined_share', 0.0) * 100:.0f} % | {r['hidden_used_share'] * 100:.0f} % | {r['drafting_hidden_wasted_s']:.1f} | "
                 f"{r['drafting_exposed_s']:.1f} | {r['bytes_per_token'] / 1024:.0f} KiB | {same} | "
                 f"{fmt(r.get('pass_at_1'))} |")
+            parts = r.get("run_s") or {}
+            times.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {machine} | {mode} | "
+                         + " | ".join(fmt(parts.get(p), ".1f") for p in RUN_PARTS) + " |")
         for name, r in ratios.items():
             if name not in MAIN_RATIOS and not name.endswith(("tokens/trip", "decode")):
                 trip = ratios.get(f"{name} tokens/trip")
                 trees.append(f"| {s['models']} | {s['peers']} | {s['ratio']:g} | {machine} | {name} | {_ci(r)} | "
                              f"{_ci(trip) if trip else '-'} | {r['pairs']} |")
     out = "\n".join(lines) + "\n\n" + "\n".join(rows) + "\n"
+    out += ("\nWhere a run's time goes (s, the median over the mode's runs of each part; the prompt's trip yields "
+            "the first token; waiting is for verdicts, that trip included; drafting is the head's; medians of parts "
+            "need not add up to the run's; a bet on a window in flight leaves this long after that window):\n\n" + "\n".join(times) + "\n")
     if len(trees) > 2:
         out += ("\nThe other paired ratios, per prompt and repetition: token trees (--tree-nodes as given; auto: the "
                 "controller decides) vs chains (-chain), dsd's pipeline vs one window in flight (-serial), the bet sent "

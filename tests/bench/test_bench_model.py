@@ -269,6 +269,28 @@ def test_a_cell_report_lists_every_paired_ratio_beyond_the_main_columns() -> Non
     assert not {"dsd/ar", "sd/ar", "dsd/sd"} & rows.keys()  # those are the first table's columns
 
 
+def test_a_cell_report_says_where_a_typical_run_s_time_goes() -> None:
+    """Per mode, the median over runs of the run, the prompt's trip, drafting (and the part never used) and waiting:
+    what the closing figures of a cell are read from. Runs that recorded no send-ahead gap show none."""
+    from sweep_report import markdown_table
+
+    runs = []
+    for rep, tps in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        runs += [_run("A", rep, "ar", tps / 4, [1, 2]), _run("A", rep, "dsd", tps, [1, 2])]
+        runs[-1]["time_breakdown"]["waiting_s"] = rep * 0.5
+        runs[-1]["ahead_gap_s"] = rep * 0.25
+    setting = {"key": "real-N4-r5", "models": "real", "peers": 4, "ratio": 5.0, "calibration": cal(), "runs": runs,
+               "provenance": {"commit": "c" * 40, "dirty": False, "command": "x", "load_before": [1.0, 1.0, 1.0]}}
+    setting["summary"] = summarize(setting)
+    assert setting["summary"]["modes"]["dsd"]["run_s"] == {"run": 1.0, "prompt's trip": 0.1, "drafting": 0.3,
+                                                          "drafting never used": 0.1, "waiting": 1.0,
+                                                          "bet sent after its window": 0.5}
+    table = markdown_table({"settings_runs": [setting]}).split("Where a run's time goes")[1]
+    dsd = next(line for line in table.splitlines() if "| dsd |" in line)
+    ar = next(line for line in table.splitlines() if "| ar |" in line)
+    assert dsd.endswith("| dsd | 1.0 | 0.1 | 0.3 | 0.1 | 1.0 | 0.5 |") and ar.endswith("| ar | 4.0 | 0.1 | 0.3 | 0.0 | - | - |"), (dsd, ar)
+
+
 def _setting(key: str, peers: int, ratio: float, opts: SweepOptions, **options: object) -> dict:
     return {"key": key, "models": "real", "peers": peers, "ratio": ratio, "runs": [_run("A", 1, "ar", 1.0, [1])],
             "options": {**setting_options(opts), **options}, "calibration": cal(), "provenance": {"commit": "c"}}
