@@ -67,8 +67,9 @@ MAIN_RATIOS = frozenset(PANELS)  # the first table's ratio columns; every other 
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    """Three tables, each cell with its machine: the paired speedups per setting (median, 95 % CI; bounds to
-    their stable digits) with t1/t0 as the `ar` rounds measured it, every mode's figures, trees and pipelines."""
+    """The tables, each cell with its machine: the paired speedups per setting (median, 95 % CI; bounds to their
+    stable digits) with t1/t0 as the `ar` rounds measured it, every mode's figures, where a run's time goes, and
+    the other paired ratios (trees, pipelines, send-ahead rules, pinning)."""
     lines = ["| model | N | t1/t0 | t1/t0 from ar (links; peers) | machine | t0 ms | t1 ms | dsd/ar | sd/ar | dsd/sd | "
              "dsd/ar decoding | model dsd/ar | sd/ar decoding | model sd/ar | ready (dsd) | pairs | set apart | "
              "load before → after |", "|" + "---|" * 18]
@@ -123,8 +124,6 @@ def markdown_table(results: dict[str, Any]) -> str:
     if fed:
         out += f"\nFederated (from `{fed['source']}`): {fed['summary']}\n"
     return out
-
-
 
 
 def _model(summ: dict[str, Any], name: str) -> float | None:
