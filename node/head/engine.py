@@ -268,11 +268,12 @@ class HeadEngine:
             gamma_next = self._next_gamma(self._after(flight, tail, produced))
             if gamma_next <= 0:
                 return
-            main = self._bets_of(tail).main
+            tail_bets = self._bets_of(tail)
+            main = tail_bets.main
             if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
                     and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main):
-                if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not self._bets_of(tail).is_dead(main):
-                    await self.drafting.predraft(self._bets_of(tail), gamma_next, arrived, None, main_only=True)
+                if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not tail_bets.is_dead(main):
+                    await self.drafting.predraft(tail_bets, gamma_next, arrived, None, main_only=True)
                     continue
                 if main.tokens:
                     assert main.root is not None
