@@ -1,4 +1,5 @@
-"""Audit tolerances (issue 37): how far honest replicas' hidden states sit from float32, and how far lies sit.
+"""Audit tolerances (issue 37): how far honest replicas' hidden states sit from float32 and from each other, and
+how far lies sit.
 
 The head audits a window by re-running it on another replica and comparing the final hidden states (the
 output of the span's last layer, before any final norm) row by row with a relative L2, ||a - b|| / ||b||,
@@ -19,6 +20,18 @@ without position 0 (whose hidden state has a huge norm), and how often a prompt'
     python bench/integrity.py gaps --out bench/results/integrity-gaps-DATE.json    # minutes on 2 threads
     python bench/integrity.py summarize bench/results/integrity-gaps-DATE.json     # recompute, print a table
 
+`calibrate` measures what the head's per-pair tolerances come from: the distance between two honest routes. A
+route is two hops, [0, L/2) and [L/2, L), its peers computing in one precision class (fp32, fp16, bf16); rows cross
+the wire into hop 1, between the hops and back, exactly or through the lossy int8 codec. Per pair of classes
+(`bf16/fp32`, ...; `+int8` when int8 carries the rows) it compares, position by position past the attention sink
+(`row_gaps`), one class's rows computed as a route sends a generation (the prompt in chunks of 128, the 16-token
+float32 greedy continuation in windows of 4) with the other's as a replica replays an audit (everything but the
+last 4 tokens in chunks of 128 from position 0, then those 4 as one window), both ways; the tolerance per pair is
+max(FLOOR, MARGIN * the worst honest row), for the real target and the tiny one. Each model's section is written
+when it is done; a rerun with the same settings keeps the finished ones.
+
+    python bench/integrity.py calibrate --out bench/results/audit-calibration-DATE.json   # ~10-25 min, 2 threads
+
 `detect` (windows a liar survives, per mode and audit rate) and `overhead` (tok/s with and without audits) run on
 a live local swarm: see `integrity_swarm.py`.
 """
@@ -35,10 +48,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from harness import (
     RESULTS_DIR,
+    build_tiny_store,
+    byte_ids,
     comma_list,
     command_line,
+    model_kinds,
     percentile,
     run_metadata,
     today,
@@ -104,15 +121,19 @@ def span_pieces(store: Store, variant: str) -> list[SpanModule]:
     return [span.sub(a, b) for a, b in cuts]
 
 
-def run_windows(pieces: Sequence[SpanModule], windows: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+def run_windows(pieces: Sequence[SpanModule], windows: Sequence[torch.Tensor],
+                cross: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """Run the windows ([1, t, h] inputs) one after another through the chained pieces, each keeping its cache;
-    per window the half and full span's outputs as float32 [t, h]."""
+    per window the half and full span's outputs as float32 [t, h]. `cross` (None: exact) is what the wire does to
+    rows where they cross it: into the first piece and out of each piece."""
     caches = [p.new_cache() for p in pieces]
     outs, pos = [], 0
     for x in windows:
-        h, got = x, []
+        h, got = x if cross is None else cross(x), []
         for piece, cache in zip(pieces, caches, strict=True):
             h = piece.step(h, pos, cache)
+            if cross is not None:
+                h = cross(h)
             got.append(h[0].float())
         outs.append(dict(zip(SPANS, got, strict=True)))
         pos += x.shape[1]
@@ -319,8 +340,211 @@ def summarize_main(argv: Sequence[str]) -> int:
     return 0
 
 
+# --- calibrate: the honest distance between two audit routes, per precision pair ---------------------------------
+
+# A route's precision class (its peers' compute dtype) and the dtype its spans load at, in pair-key order.
+CLASSES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+WIRES = ("exact", "int8")  # exact: no change (every class's own codec carries its values exactly); int8: lossy
+CHUNK, WINDOW, CONTINUATION = 128, 4, 16  # prompt chunk, continuation window, continuation tokens
+SHAPES = {
+    "route": f"the prompt in chunks of {CHUNK} tokens, then the {CONTINUATION}-token continuation in windows of "
+             f"{WINDOW}, each a step on the same KV cache",
+    "replica": f"all but the last {WINDOW} continuation tokens replayed in chunks of {CHUNK} from position 0, then "
+               f"the last {WINDOW} as one window",
+}
+MARGIN = 1.75
+MARGIN_WHY = "the same 1.75x the old single tolerance (0.06) had over the worst honest row (0.034)"
+FLOOR = 0.01
+FLOOR_WHY = ("fp32 kernels differ across CPUs and GPUs (TF32) beyond what one machine shows, and 0.01 still sits "
+             "4x below a 0.04-noise liar")
+
+
+def pair_keys() -> list[str]:
+    """bf16/bf16 .. fp32/fp32 (classes sorted bf16 < fp16 < fp32), then the same six with `+int8`."""
+    import itertools
+
+    exact = [f"{a}/{b}" for a, b in itertools.combinations_with_replacement(CLASSES, 2)]
+    return exact + [f"{k}+int8" for k in exact]
+
+
+def sig(v: float) -> float:
+    """`v` to 6 significant digits."""
+    return float(f"{v:.6g}")
+
+
+def int8_wire(h: torch.Tensor) -> torch.Tensor:
+    """Rows after crossing the wire in the int8 codec: encoded, decoded, float32."""
+    import torch
+
+    from dsd.protocol import WireFormat, decode_tensor
+
+    return torch.from_numpy(decode_tensor(WireFormat("int8").encode(h.float().numpy())))
+
+
+def shape_cuts(n: int, shape: str) -> list[tuple[int, int]]:
+    """The position ranges in which `shape` (see SHAPES) sends a sequence of n = prompt + CONTINUATION tokens."""
+    def chunks(a: int, b: int, size: int) -> list[tuple[int, int]]:
+        return [(i, min(i + size, b)) for i in range(a, b, size)]
+
+    if shape == "route":
+        return chunks(0, n - CONTINUATION, CHUNK) + chunks(n - CONTINUATION, n, WINDOW)
+    return chunks(0, n - WINDOW, CHUNK) + [(n - WINDOW, n)]
+
+
+def final_rows(pieces: Sequence[SpanModule], embedded: torch.Tensor, shape: str, wire: str) -> np.ndarray:
+    """The rows [n, h] the head gets back from the two hops for the embedded sequence [1, n, h], sent as `shape`
+    over `wire`."""
+    import torch
+
+    windows = [embedded[:, a:b] for a, b in shape_cuts(embedded.shape[1], shape)]
+    outs = run_windows(pieces, windows, int8_wire if wire == "int8" else None)
+    return torch.cat([o["full"] for o in outs]).numpy()
+
+
+def pair_assignments(a: str, b: str, wire: str) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """What goes into pair (a, b)'s distribution: ((route class, route wire), (replica class, replica wire)) — the
+    route class a against replica class b and, when a != b, the reverse; with int8 the route on int8 against the
+    replica exact and both on int8."""
+    wires = [("exact", "exact")] if wire == "exact" else [("int8", "exact"), ("int8", "int8")]
+    ordered = [(a, b)] if a == b else [(a, b), (b, a)]
+    return [((x, rw), (y, pw)) for rw, pw in wires for x, y in ordered]
+
+
+def pair_stats(gaps: Sequence[np.ndarray]) -> dict[str, Any]:
+    """n, median, p90, p99, p999, max, tolerance (max(FLOOR, MARGIN * max)) over every prompt's gaps, and each
+    prompt's max."""
+    values = [float(v) for g in gaps for v in g]
+    top = max(values)
+    out: dict[str, Any] = {"n": len(values)}
+    for name, q in (("median", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)):
+        out[name] = sig(percentile(values, q))
+    out |= {"max": sig(top), "tolerance": sig(max(FLOOR, MARGIN * top)),
+            "per_prompt_max": [sig(float(g.max())) for g in gaps]}
+    return out
+
+
+def calibrate_model(store: Store, prompts: dict[int, list[int]]) -> dict[str, Any]:
+    """Every class's final rows per prompt in both shapes over both wires (the continuation: the float32 model's
+    greedy tokens), then per pair the distances between route and replica rows at positions >= SINK."""
+    import torch
+
+    from dsd.node.route.audit_rules import SINK, row_gaps
+
+    head = store.load_head(dtype=torch.float32)  # the head embeds in float32 whatever the route computes in
+    rows: dict[tuple[str, str, str], list[np.ndarray]] = {}
+    embedded: dict[int, torch.Tensor] = {}
+    continuations: dict[int, list[int]] = {}
+    for cls in ("fp32", "bf16", "fp16"):  # float32 first: it picks the continuations
+        started = time.monotonic()
+        pieces = span_pieces(store, CLASSES[cls])
+        for problem, ids in prompts.items():
+            if problem not in embedded:
+                continuations[problem] = greedy_steps(pieces, head, ids, CONTINUATION)[0]
+                embedded[problem] = head.embed(torch.tensor([ids + continuations[problem]]))
+            for wire in WIRES:
+                for shape in SHAPES:
+                    rows.setdefault((cls, wire, shape), []).append(final_rows(pieces, embedded[problem], shape, wire))
+        log(f"{cls}: {len(prompts)} prompts, both shapes and wires, in {time.monotonic() - started:.1f} s")
+        del pieces
+        gc.collect()
+    pairs: dict[str, Any] = {}
+    for key in pair_keys():
+        a, b = key.removesuffix("+int8").split("/")
+        wire = "int8" if key.endswith("+int8") else "exact"
+        per_prompt = []
+        for i in range(len(prompts)):
+            gaps = [row_gaps(rows[(x, xw, "route")][i][SINK:], rows[(y, yw, "replica")][i][SINK:])
+                    for (x, xw), (y, yw) in pair_assignments(a, b, wire)]
+            per_prompt.append(np.concatenate(gaps))
+        pairs[key] = pair_stats(per_prompt)
+    return {"model_id": store.manifest.model_id, "num_layers": store.num_layers,
+            "hidden_size": int(store.manifest.config["hidden_size"]),
+            "prompts": [{"problem": p, "prompt_tokens": len(ids), "continuation": continuations[p]}
+                        for p, ids in prompts.items()],
+            "pairs": pairs}
+
+
+def calibration_table(models: dict[str, Any]) -> str:
+    """Per pair and model: the worst honest row, p99 and the tolerance."""
+    names = list(models)
+    head = f"{'pair':<16}" + "".join(f"{m + ' max':>14}{m + ' p99':>14}{m + ' tol':>14}" for m in names)
+    lines = [head, "-" * len(head)]
+    for key in pair_keys():
+        lines.append(f"{key:<16}" + "".join(
+            f"{models[m]['pairs'][key]['max']:>14.4g}{models[m]['pairs'][key]['p99']:>14.4g}"
+            f"{models[m]['pairs'][key]['tolerance']:>14.4g}" for m in names))
+    return "\n".join(lines)
+
+
+def calibrate_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="integrity.py calibrate",
+                                description="honest distances between two audit routes, per precision pair")
+    p.add_argument("--models", default="real,tiny", help="real (the default target) and/or tiny")
+    p.add_argument("--problems", default=",".join(map(str, PROBLEMS)), help="HumanEval problem indices")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--work", type=Path, default=Path("/tmp/dsd-integrity"), help="where the tiny store is built")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    models = model_kinds(p, args.models)
+    problems = comma_list(p, "--problems", args.problems, int)
+    import torch
+
+    from dsd.node.route.audit_rules import SINK
+    from dsd.node.testnet.workload import humaneval_problems
+    from dsd.shard_store import Store
+    from dsd.shard_store.default_models import default_store_paths, prepared
+
+    if "real" in models and not prepared():
+        p.error("the default target is not prepared: run `dsd-node models prepare` first")
+    torch.set_num_threads(args.threads)
+    out = args.out or RESULTS_DIR / f"audit-calibration-{today()}.json"
+    result: dict[str, Any] = {
+        **run_metadata("audit-calibration", args), "command": command_line("integrity.py", ["calibrate", *argv]),
+        "metric": "row_gaps (node/route/audit_rules.py): ||a - b|| / max(||a||, ||b||) per position of the final "
+                  "hidden rows, positions >= sink",
+        "margin": MARGIN, "floor": FLOOR, "why": {"margin": MARGIN_WHY, "floor": FLOOR_WHY}, "sink": SINK,
+        "shapes": SHAPES,
+        "distribution": "pair a/b: route a against replica b, and for a != b also route b against replica a; "
+                        "+int8: the route on the int8 wire against the replica exact, and both on int8 (each both "
+                        "ways for a != b); nothing skipped",
+        "load_before": os.getloadavg(), "seconds": {}, "models": {},
+    }
+    if out.exists():  # resume: keep the models an earlier run of the same settings finished
+        old = json.loads(out.read_text())
+        if (old.get("settings", {}).get("problems"), old.get("margin"), old.get("floor"), old.get("sink"),
+                old.get("shapes")) == (args.problems, MARGIN, FLOOR, SINK, SHAPES):
+            for m in models:
+                if m in old.get("models", {}):
+                    result["models"][m], result["seconds"][m] = old["models"][m], old["seconds"][m]
+                    log(f"{m}: kept from the earlier run in {out.name}")
+    texts = humaneval_problems()
+    for m in models:
+        if m in result["models"]:
+            continue
+        started = time.monotonic()
+        if m == "real":
+            store = Store(default_store_paths()["target"])
+            prompts = prompt_ids(store, problems, chat=False)
+        else:  # the bench's tiny target and its prompts, as soak.load_models makes them
+            store = Store(build_tiny_store(args.work / "target", layers=8))
+            prompts = {i: byte_ids(texts[i]["prompt"])[-96:] for i in problems}
+        log(f"{m}: {store.manifest.model_id}, {store.num_layers} layers, {len(prompts)} prompts")
+        result["models"][m] = calibrate_model(store, prompts)
+        result["seconds"][m] = round(time.monotonic() - started, 1)
+        result["load_after"] = os.getloadavg()
+        if "real" in result["models"]:  # what the head uses
+            result["pairs"] = {k: {"max": v["max"], "tolerance": v["tolerance"]}
+                               for k, v in result["models"]["real"]["pairs"].items()}
+        write_json(out, result)
+        log(f"{m}: done in {result['seconds'][m]} s, written to {out.name}")
+    print(f"margin {MARGIN} ({MARGIN_WHY}); floor {FLOOR} ({FLOOR_WHY}); sink {SINK}")
+    print(calibration_table(result["models"]))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"gaps": gaps_main, "summarize": summarize_main,
-                                                       "detect": detect_main, "overhead": overhead_main}
+                                                       "calibrate": calibrate_main, "detect": detect_main,
+                                                       "overhead": overhead_main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
