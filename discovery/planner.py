@@ -181,20 +181,20 @@ def _eligible(
     records: Iterable[PeerRecord],
     rtts: Mapping[str, float | None],
     blocks: tuple[int, int],
-    blacklist: Iterable[str],
+    blacklist: Iterable[str] | Mapping[str, str],
     min_cache_tokens: int,
     default_rtt_s: float | None,
 ) -> tuple[list[tuple[PeerRecord, float]], dict[str, str]]:
     """Peers that may serve some of `blocks` = [first, last) (with their RTTs), and why the others may not."""
     first, last = blocks
-    banned = set(blacklist)
+    banned = blacklist if isinstance(blacklist, Mapping) else dict.fromkeys(blacklist, "blacklisted")
     out: list[tuple[PeerRecord, float]] = []
     excluded: dict[str, str] = {}
     for rec in records:
         if rec.role != "block" or rec.start >= last or rec.end <= first:
             continue
         if rec.peer_id in banned:
-            excluded[rec.peer_id] = "blacklisted"
+            excluded[rec.peer_id] = banned[rec.peer_id]
             continue
         rtt = rtts.get(rec.peer_id)
         if rtt is None:
@@ -215,7 +215,7 @@ def plan_route(
     num_layers: int,
     *,
     window_tokens: int = 8,
-    blacklist: Iterable[str] = frozenset(),
+    blacklist: Iterable[str] | Mapping[str, str] = frozenset(),
     min_cache_tokens: int = 0,
     cache_headroom_tokens: int = 2048,
     low_cache_penalty_s: float = 0.05,

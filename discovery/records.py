@@ -24,6 +24,8 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
+from dsd.protocol.tensors import CODECS
+
 if TYPE_CHECKING:
     pass
 
@@ -81,6 +83,7 @@ class PeerRecord:
     throughput: float = 1.0  # tokens/s through the whole span [start, end)
     version: str = ""
     dtype: str = "float32"
+    codec: str = ""  # the wire codec its hidden states leave in ("" unknown: its dtype's exact one; older peers)
     cache_tokens_left: int = 0
     expires: float = 0.0
     issued: float = 0.0  # newer issued wins when a peer has several records stored
@@ -107,6 +110,8 @@ class PeerRecord:
             raise RecordError(f"record field throughput must be > 0, got {self.throughput!r}")
         _check_str("version", self.version, empty_ok=True)
         _check_str("dtype", self.dtype)
+        if self.codec not in ("", *CODECS):
+            raise RecordError(f"record field codec must be one of {CODECS} (or empty), got {self.codec!r:.40}")
         _check_int("cache_tokens_left", self.cache_tokens_left)
         _check_time("expires", self.expires)
         _check_time("issued", self.issued)
@@ -139,6 +144,8 @@ class PeerRecord:
             del d["manifest_sha256"]
         if d["reachability"] == "unknown":
             del d["reachability"]
+        if not d["codec"]:
+            del d["codec"]
         return d
 
     @classmethod

@@ -149,16 +149,17 @@ async def probe_rtts(
 
 
 async def survey(
-    node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] = (), role: str = "block",
+    node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] | Mapping[str, str] = (), role: str = "block",
     blocks: tuple[int, int] | None = None,
 ) -> SwarmView:
-    """Fetch, probe and plan once; blacklisted peers are neither probed nor planned over.
+    """Fetch, probe and plan once; blacklisted peers (or a mapping of them to why) are neither probed nor planned
+    over, and a "no route" error names each with its reason.
 
     `blocks` = (start, end) plans a route over those layers only (the head serves the others,
     see `planner.remote_blocks`); peers serving none of them are not probed.
     """
     first, last = (0, num_layers) if blocks is None else blocks
-    banned = set(blacklist)
+    banned = blacklist if isinstance(blacklist, Mapping) else dict.fromkeys(blacklist, "blacklisted")
     records = [r for r in await fetch_records(node, model, num_layers) if r.role == role]
     view = SwarmView(records)
     candidates = [r for r in records if r.peer_id not in banned and r.start < last and r.end > first]
@@ -174,7 +175,8 @@ async def survey(
     # punched links win near-ties: the relay shares its bandwidth among every circuit it carries.
     reachable = {pid: rtt * (RELAYED_COST_FACTOR if view.links.get(pid) == "relayed" else 1.0)
                  for pid, rtt in view.rtts.items() if rtt is not None}
-    live = [r for r in records if r.peer_id in reachable or r.peer_id in banned]  # the planner says why not these
+    # The planner says why it leaves out the banned and those probed without an answer (unreachable).
+    live = [r for r in records if r.peer_id in reachable or r.peer_id in banned or r.peer_id in view.rtts]
     try:
         view.plan = plan_route(live, reachable, num_layers, blacklist=banned, blocks=blocks)
     except NoRouteError as exc:

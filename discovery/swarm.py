@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,25 +35,34 @@ DEAD_KEPT_S = 600.0  # a peer that stopped answering is remembered (shown dead) 
 
 @dataclass
 class Blacklist:
-    """Peers to avoid, each until its backoff runs out; the backoff doubles on every new failure."""
+    """Peers to avoid, each until its backoff runs out (and why); the backoff doubles on every new failure."""
 
     base_s: float = 30.0
     max_s: float = 600.0
     _until: dict[str, float] = field(default_factory=dict)
     _strikes: dict[str, int] = field(default_factory=dict)
+    _why: dict[str, str] = field(default_factory=dict)
 
-    def add(self, peer: str, now: float | None = None) -> float:
-        """Blacklist `peer`; returns how long for."""
+    def add(self, peer: str, now: float | None = None, *, why: str = "did not answer") -> float:
+        """Blacklist `peer` for `why`; returns how long for."""
         now = time.monotonic() if now is None else now
         strikes = self._strikes.get(peer, 0)
         self._strikes[peer] = strikes + 1
         backoff = min(self.max_s, self.base_s * 2**strikes)
         self._until[peer] = now + backoff
+        self._why[peer] = why
         return backoff
 
     def active(self, now: float | None = None) -> set[str]:
         now = time.monotonic() if now is None else now
         return {p for p, until in self._until.items() if until > now}
+
+    def reason(self, peer: str, now: float | None = None) -> str:
+        """Why and until when (UTC wall clock) `peer` is blacklisted, for logs and "no route" messages."""
+        now = time.monotonic() if now is None else now
+        left = max(0.0, self._until.get(peer, now) - now)
+        until = time.strftime("%H:%M:%S", time.gmtime(time.time() + left))
+        return f"blacklisted until {until} UTC, {left:.0f} s more: {self._why.get(peer, 'did not answer')}"
 
 
 BAN_S = 24 * 3600.0  # a peer caught returning wrong activations is avoided this long
@@ -92,6 +101,12 @@ class Bans:
         now_unix = time.time() if now_unix is None else now_unix
         return {p: b for p, b in self._bans.items() if b.until_unix > now_unix}
 
+    def reason(self, peer: str) -> str:
+        """Why and until when (UTC) `peer` is banned."""
+        ban = self._bans[peer]
+        until = time.strftime("%Y-%m-%d %H:%M", time.gmtime(ban.until_unix))
+        return f"banned until {until} UTC: {ban.message[:80]}"
+
 
 class SwarmWatch:
     """The last `SwarmView` of `model` and when it was taken."""
@@ -119,6 +134,16 @@ class SwarmWatch:
     def avoided(self) -> set[str]:
         """The peers no route of this process may use now: blacklisted (unresponsive) or banned (caught lying)."""
         return self.blacklist.active() | set(self.bans.active())
+
+    def exclusions(self, avoid: Mapping[str, str] | Iterable[str] = ()) -> dict[str, str]:
+        """Every peer a plan must leave out, with why: `avoid` (a mapping gives its own reasons; else "avoided by
+        this route"), the banned and the blacklisted, each saying until when."""
+        out = dict(avoid) if isinstance(avoid, Mapping) else dict.fromkeys(avoid, "avoided by this route")
+        for peer in self.bans.active():
+            out.setdefault(peer, self.bans.reason(peer))
+        for peer in self.blacklist.active():
+            out.setdefault(peer, self.blacklist.reason(peer))
+        return out
 
     @property
     def hops(self) -> list[Hop] | None:
@@ -151,19 +176,20 @@ class SwarmWatch:
                 return self.view
             with trio.fail_after(self.survey_timeout_s):
                 view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks,
-                                    blacklist=set(self.bans.active()))
+                                    blacklist={p: self.bans.reason(p) for p in self.bans.active()})
             before = self.view
             self.view, self.surveyed_at, self.surveyed_unix = view, trio.current_time(), time.time()
             self._remember(view, self.surveyed_unix)
             self._note(before, view)
             return view
 
-    async def plan(self, avoid: frozenset[str] = frozenset(), *, wait_s: float = 0.0) -> SwarmView:
-        """A fresh survey planned without the blacklisted and banned peers and `avoid` (a failover's view: the shared `view`
-        is left as it is; the live peers it saw are remembered). With `wait_s`, a survey that finds blocks
-        missing is repeated for up to that long, saying what it waits for (records can lag: a peer just
-        started, or the node that held its record left); the last view says what is still missing."""
-        banned = self.avoided() | avoid
+    async def plan(self, avoid: Mapping[str, str] | Iterable[str] = frozenset(), *, wait_s: float = 0.0) -> SwarmView:
+        """A fresh survey planned without the blacklisted and banned peers and `avoid` (peers, or peers with why;
+        a failover's view: the shared `view` is left as it is; the live peers it saw are remembered). With `wait_s`,
+        a survey that finds blocks missing is repeated for up to that long, saying what it waits for (records can
+        lag: a peer just started, or the node that held its record left); the last view says what is still
+        missing, and why each peer left out was."""
+        banned = self.exclusions(avoid)
         give_up = trio.current_time() + wait_s
         level = logging.WARNING  # the first wait is news; the surveys after it are detail
         while True:

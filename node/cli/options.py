@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from dsd.node.peer.cpus import parse_cpus, pin_head
 from dsd.node.peer.shaper import LinkProfile
-from dsd.node.route.audit_rules import DEFAULT_AUDIT_RATE, DEFAULT_AUDIT_TOLERANCE
+from dsd.node.route.audit_rules import AUDIT_TOLERANCES, DEFAULT_AUDIT_RATE
 from dsd.node.testnet.link_profiles import PROFILES, build_link
 from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store.manifest import STORE_DTYPES
@@ -145,7 +145,8 @@ def add_audit_options(p: argparse.ArgumentParser) -> None:
     """How a head audits its route's windows on other replicas (docs/integrity.md)."""
     a = p.add_argument_group("integrity audits (docs/integrity.md)")
     a.add_argument("--audit-rate", type=float, default=None, metavar="P", help=f"share of windows re-run on a disjoint set of replicas and compared position by position, chosen at random after the peers answered (default {DEFAULT_AUDIT_RATE:g}: a peer lying on every window is caught within 44 windows with probability 0.99; 0 = off)")
-    a.add_argument("--audit-tolerance", type=float, default=None, metavar="D", help=f"largest relative L2 distance per position between two honest runs (default {DEFAULT_AUDIT_TOLERANCE:g}: honest bfloat16/float16 replicas of the target differ from float32 by at most 0.034, int4 weights by 0.086 or more, a skipped layer by 0.2 or more)")
+    pairs = f"fp32/fp32 {AUDIT_TOLERANCES['fp32/fp32']:g}, bf16/fp32 {AUDIT_TOLERANCES['bf16/fp32']:g}"
+    a.add_argument("--audit-tolerance", type=float, default=None, metavar="D", help=f"one largest relative L2 distance per position between two honest runs, for every pair of routes (default: the calibrated tolerance of the two routes' precisions, from their peers' dtypes and wire codecs: {pairs}; docs/integrity.md has the table)")
 
 
 def audit_options(args: argparse.Namespace) -> AuditOptions:
@@ -154,4 +155,4 @@ def audit_options(args: argparse.Namespace) -> AuditOptions:
     from dsd.node.route.audit import AuditOptions
 
     return AuditOptions(rate=DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate,
-                        tolerance=DEFAULT_AUDIT_TOLERANCE if args.audit_tolerance is None else args.audit_tolerance)
+                        tolerance=args.audit_tolerance)

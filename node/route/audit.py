@@ -7,6 +7,16 @@ Which windows are audited is drawn with the operating system's randomness after 
 can know whether a window it computes will be checked. Audits run in the auditor's own task, off the critical path:
 the replica route (planned without the audited route's peers) keeps a session whose KV cache follows the audited
 windows' contexts, so an audit sends only the tokens committed since the last one and the window itself.
+
+An audit never holds a generation up: the replica route's opens and rounds wait as the generation's own deadline rule
+(`dsd.protocol.deadlines`) says for that route (its planner's estimate, then its measured rounds); one that misses its
+deadline or fails is skipped, its peers are pinged and the silent ones blacklisted, as a route's silent hops are.
+The end of a generation (`settle`) waits for the audits in flight at most one deadline of its own route's rounds
+(one more round, were it to send one); the audits still running then are dropped and counted skipped. Only an audit
+that found a mismatch is waited for to the end of its blame: its verdict decides whether the text is redone.
+
+Each comparison uses the tolerance of the two routes' precision pair (`audit_rules.AUDIT_TOLERANCES`, from the peers'
+records: compute dtype and wire codec), unless the user gave one tolerance for all.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,20 +37,25 @@ from dsd.discovery.swarm import SwarmWatch
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.backend import BackendError
 from dsd.protocol import Hop, WireFormat
-from dsd.protocol.route_state import short
+from dsd.protocol.deadlines import DeadlineRule, RoundTimes
+from dsd.protocol.route_state import RouteState, short
 from dsd.shard_store import HeadModule, SpanModule
 
 from .audit_rules import (
+    AUDIT_TOLERANCES,
     DEFAULT_AUDIT_RATE,
-    DEFAULT_AUDIT_TOLERANCE,
     Comparison,
+    Precision,
     common_prefix,
+    precision_pair,
     replicas_announced,
 )
 from .blame import Prober, Verdict, locate_liar, run_rows
+from .client import plan_prior
 from .ends import rows_into_route
 from .errors import RouteError
 from .legs import ReturnLegs
+from .probes import ping_hops
 from .session import RouteSession
 
 log = logging.getLogger(__name__)
@@ -48,22 +63,31 @@ log = logging.getLogger(__name__)
 QUEUE = 64  # audits waiting for the auditor; beyond that a chosen window is skipped (counted)
 PLAN_WAIT_S = 5.0  # a replica route not found at once is surveyed for again this long (records and probes lag)
 REPLAN_S = 10.0  # after finding none, audits are skipped this long before the swarm is surveyed again
+CLOSE_AT_END_S = 1.0  # the replica session's close at the generation's end waits this long (its peers may be frozen)
+ENDED = "the generation ended before its audit finished"
 
 
 @dataclass(frozen=True)
 class AuditOptions:
-    """How a head audits: the share of windows, the tolerance per position, and a seed (tests only: None draws
-    from the operating system, which the peers cannot predict)."""
+    """How a head audits: the share of windows, the tolerance per position (None: by the routes' precision pair, from
+    `tolerances`), and a seed (tests only: None draws from the operating system, which the peers cannot predict)."""
 
     rate: float = DEFAULT_AUDIT_RATE
-    tolerance: float = DEFAULT_AUDIT_TOLERANCE
+    tolerance: float | None = None
     seed: int | None = None
+    tolerances: Mapping[str, float] = field(default_factory=lambda: dict(AUDIT_TOLERANCES))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"--audit-rate must be in [0, 1], got {self.rate}")
-        if not self.tolerance > 0.0:
+        if self.tolerance is not None and not self.tolerance > 0.0:
             raise ValueError(f"--audit-tolerance must be positive, got {self.tolerance}")
+
+    def tolerance_for(self, pair: str) -> float:
+        """The tolerance of two routes of precision pair `pair` (the loosest known when the pair is not listed)."""
+        if self.tolerance is not None:
+            return self.tolerance
+        return self.tolerances.get(pair, max(self.tolerances.values()))
 
 
 @dataclass
@@ -77,20 +101,31 @@ class AuditLedger:
     failed: int = 0
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # per failed audit: its window, what blame found
     closest: float = 0.0  # the largest distance an audit that passed saw (how near honest replicas come)
+    pairs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per precision pair: tolerance, audited, closest
     skipped: dict[str, int] = field(default_factory=dict)  # why chosen windows were not audited
     banned: list[dict[str, Any]] = field(default_factory=list)
     repairs: list[dict[str, Any]] = field(default_factory=list)  # regenerations: from which token, why
     shown_wrong_from: int | None = None  # streamed text was wrong from this token on (see docs/integrity.md)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, count: int = 1) -> None:
+        """Count `count` chosen windows not audited, for `reason` (logged the first time)."""
         if reason not in self.skipped:
             log.warning("audit skipped: %s", reason)
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
+
+    def compared(self, pair: str, tolerance: float, distance: float, agree: bool) -> None:
+        """Count one comparison of two routes of precision `pair` at `tolerance`."""
+        seen = self.pairs.setdefault(pair, {"tolerance": tolerance, "audited": 0, "closest": 0.0})
+        seen["audited"] += 1
+        if agree:
+            seen["closest"] = round(max(seen["closest"], distance), 6)
+            self.closest = max(self.closest, distance)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rate": self.options.rate, "tolerance": self.options.tolerance, "windows": self.windows,
-                "audited": self.audited, "passed": self.passed, "failed": self.failed, "verdicts": list(self.verdicts), "closest": round(self.closest, 4), "skipped": dict(self.skipped),
-                "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
+        return {"rate": self.options.rate, "tolerance": self.options.tolerance or "by precision pair",
+                "windows": self.windows, "audited": self.audited, "passed": self.passed, "failed": self.failed,
+                "verdicts": list(self.verdicts), "closest": round(self.closest, 4), "pairs": dict(self.pairs),
+                "skipped": dict(self.skipped), "repairs": list(self.repairs), "shown_wrong_from": self.shown_wrong_from}
 
     def report(self) -> dict[str, Any]:
         """The two keys a generation's JSON carries: `audits` and `banned`."""
@@ -138,11 +173,12 @@ class Auditor:
 
     def __init__(
         self, node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch, head: HeadModule, *, ledger: AuditLedger,
-        max_len: int, wire: WireFormat, local_first: SpanModule | None = None,
+        max_len: int, wire: WireFormat, local_first: SpanModule | None = None, rule: DeadlineRule | None = None,
     ) -> None:
         self.swarm, self.head, self.ledger, self.options = swarm, head, ledger, ledger.options
         self.prober = Prober(node, legs, model=swarm.model, max_len=max_len, wire=wire)
         self.node, self.legs, self.max_len, self.wire, self.first = node, legs, max_len, wire, local_first
+        self.rule = rule or DeadlineRule()
         self._rng: random.Random = random.Random(self.options.seed) if self.options.seed is not None \
             else secrets.SystemRandom()
         self._send, self._recv = trio.open_memory_channel[Audited](QUEUE)
@@ -151,6 +187,10 @@ class Auditor:
         self._drained.set()
         self._nursery: trio.Nursery | None = None
         self._session: RouteSession | None = None
+        self._replica: RouteState | None = None  # the replica route's deadlines (its rounds) and ping timeouts
+        self._current: trio.CancelScope | None = None  # the audit running now
+        self._blame: trio.Event | None = None  # set once the blame under way has its verdict
+        self._ended = False  # the generation settled: nothing more is audited
         self._held: list[int] = []  # the tokens the replica route holds
         self._no_replica: tuple[float, str] | None = None  # (until when, why) no replica route is looked for
         self._first_cache = local_first.new_cache() if local_first is not None else None
@@ -167,7 +207,7 @@ class Auditor:
                 yield self
             finally:
                 nursery.cancel_scope.cancel()
-                await self._close_replica()
+                await self._close_replica(CLOSE_AT_END_S)
 
     def offer(self, context: Sequence[int], tokens: Sequence[int], parents: Sequence[int] | None, rows: np.ndarray,
               hops: Sequence[Hop]) -> None:
@@ -175,7 +215,8 @@ class Auditor:
         self.ledger.windows += 1
         for h in hops:
             self.first_seen.setdefault(h.peer_id, len(context))
-        if self.failure is not None or self.options.rate <= 0.0 or self._rng.random() >= self.options.rate:
+        if self.failure is not None or self._ended or self.options.rate <= 0.0 or \
+                self._rng.random() >= self.options.rate:
             return
         window = Audited(self.ledger.windows, tuple(context), tuple(tokens), None if parents is None else
                          tuple(parents), np.array(rows, dtype=np.float32, copy=True), tuple(hops))
@@ -192,19 +233,32 @@ class Auditor:
         if self.failure is not None:
             raise LieCaught(self.failure)
 
-    async def settle(self) -> None:
-        """Wait for every audit offered so far, then `check`."""
-        await self._drained.wait()
+    async def settle(self, grace_s: float) -> None:
+        """Wait for the audits offered so far at most `grace_s` (a blame under way to its verdict), drop the rest
+        (counted skipped), then `check`."""
+        with trio.move_on_after(grace_s):
+            await self._drained.wait()
+        if self._blame is not None:
+            await self._blame.wait()  # a mismatch was seen: its verdict decides whether the text is redone
+        self._ended = True
+        if self._pending:
+            self.ledger.skip(ENDED, self._pending)
+            log.info("%d audit(s) still running after a %.1f s grace: dropped", self._pending, grace_s)
+            if self._current is not None:
+                self._current.cancel()
         self.check()
 
     async def _run(self) -> None:
         async for window in self._recv:
             try:
-                if self.failure is None:
-                    await self._audit(window)
+                if self.failure is None and not self._ended:
+                    with trio.CancelScope() as self._current:
+                        await self._audit(window)
             finally:
+                self._current = None
                 self._pending -= 1
-                if self._pending == 0:
+                if self._pending <= 0:
+                    self._pending = 0
                     self._drained.set()
 
     async def _audit(self, window: Audited) -> None:
@@ -214,30 +268,59 @@ class Auditor:
                 return
             rows = await self._replay(session, window)
         except (RouteError, trio.TooSlowError) as exc:
-            self.ledger.skip(f"the replica route failed: {exc}")
-            await self._close_replica()
+            await self._replica_failed(exc)
             return
         self.ledger.audited += 1
-        check = Comparison.of(window.rows, rows, self.options.tolerance, len(window.context))
+        replica = list(session.hops)
+        pair = precision_pair(self._precision(window.hops), self._precision(replica))
+        tolerance = self.options.tolerance_for(pair)
+        check = Comparison.of(window.rows, rows, tolerance, len(window.context))
+        self.ledger.compared(pair, tolerance, check.largest, check.agree)
         if check.agree:
             self.ledger.passed += 1
-            self.ledger.closest = max(self.ledger.closest, check.largest)
             return
         self.ledger.failed += 1
-        replica = list(session.hops)
-        evidence = {"window": window.index, **check.evidence(), "route": [h.peer_id for h in
+        evidence = {"window": window.index, "pair": pair, **check.evidence(), "route": [h.peer_id for h in
                     window.hops], "replica": [h.peer_id for h in replica]}
-        log.warning("audit of window %d failed: %d of %d positions beyond %.3f (max %.3f) between route %s and "
+        log.warning("audit of window %d failed: %d of %d positions beyond %.3f (%s) (max %.3f) between route %s and "
                     "replicas %s; finding the liar", window.index, evidence["positions_over"], check.gaps.size,
-                    self.options.tolerance, check.largest, [short(p) for p in evidence["route"]],
+                    tolerance, pair, check.largest, [short(p) for p in evidence["route"]],
                     [short(p) for p in evidence["replica"]])
-        await self._close_replica()
-        rows_in = await trio.to_thread.run_sync(self._input_rows, window)
-        verdict = await locate_liar(self.prober, self.swarm, window.hops, replica, rows_in,
-                                    context=len(window.context), parents=window.parents,
-                                    tolerance=self.options.tolerance)
-        if self._judge(window, verdict, evidence):
+        self._blame = trio.Event()
+        try:
+            await self._close_replica()
+            rows_in = await trio.to_thread.run_sync(self._input_rows, window)
+            verdict = await locate_liar(self.prober, self.swarm, window.hops, replica, rows_in,
+                                        context=len(window.context), parents=window.parents, tolerance=tolerance)
+            again = self._judge(window, verdict, evidence)
+        finally:
+            self._blame.set()
+            self._blame = None
+        if again:
             await self._audit(window)  # the replica lied: the window itself is still unchecked (a new replica route)
+
+    def _precision(self, hops: Sequence[Hop]) -> Precision:
+        """A route's precision from its peers' records (compute dtype, wire codec); a peer without one: unknown."""
+        known = {r.peer_id: r for r, _ in self.swarm.last_alive.values()}
+        if self.swarm.view is not None:
+            known.update({r.peer_id: r for r in self.swarm.view.records})
+        return Precision.of_route([(known[h.peer_id].dtype, known[h.peer_id].codec) if h.peer_id in known
+                                   else ("", "") for h in hops])
+
+    async def _replica_failed(self, exc: BaseException) -> None:
+        """The replica route missed a deadline or broke: ping its hops, blacklist the silent ones (routes avoid them
+        too), count the audit skipped with why, close the session."""
+        state, silent = self._replica, []
+        if state is not None:
+            silent = await ping_hops(self.node, state.hops, state.ping_timeouts(state.hops))
+        for peer in silent:
+            backoff = self.swarm.blacklist.add(peer, why="silent on an audit's replica route")
+            log.warning("blacklisting %s for %.0f s: silent on an audit's replica route", short(peer), backoff)
+        late = isinstance(exc, trio.TooSlowError) or getattr(exc, "code", None) == "timeout" or "timed out" in str(exc)
+        what = "missed its deadline" if late else "failed"
+        why = f"; {', '.join(short(p) for p in silent)} silent, blacklisted" if silent else f": {exc}"
+        self.ledger.skip(f"the replica route {what}{why}")
+        await self._close_replica()
 
     def _judge(self, window: Audited, verdict: Verdict, evidence: dict[str, Any]) -> bool:
         """Ban a liar; fail the generation (to be regenerated) unless the liar was only on the replica route (then
@@ -245,7 +328,7 @@ class Auditor:
         evidence = {**evidence, "blame": verdict.evidence}
         self.ledger.verdicts.append({"window": window.index, "verdict": verdict.kind, "liar": verdict.liar})
         for peer in verdict.silent:
-            self.swarm.blacklist.add(peer)
+            self.swarm.blacklist.add(peer, why="silent on a blame probe")
         on_route = {h.peer_id for h in window.hops}
         if verdict.liar is not None:
             ban = self.swarm.bans.add(verdict.liar, verdict.message, evidence)
@@ -271,11 +354,12 @@ class Auditor:
         if self._no_replica is not None and trio.current_time() < self._no_replica[0]:
             self.ledger.skip(self._no_replica[1])
             return None
-        view = await self.swarm.plan(frozenset(audited))
+        avoid = dict.fromkeys(audited, "on the audited route")
+        view = await self.swarm.plan(avoid)
         blocks = self.swarm.blocks or (0, self.swarm.num_layers)
         if view.plan is None and replicas_announced(view.records, audited | self.swarm.avoided(), blocks,
                                                     self.swarm.num_layers):
-            view = await self.swarm.plan(frozenset(audited), wait_s=PLAN_WAIT_S)  # their probes may lag
+            view = await self.swarm.plan(avoid, wait_s=PLAN_WAIT_S)  # their probes may lag
         if view.plan is None:
             why = f"no replica route disjoint from the audited one: {view.error}"
             self._no_replica = (trio.current_time() + REPLAN_S, why)
@@ -283,35 +367,43 @@ class Auditor:
             return None
         self._no_replica = None
         assert self._nursery is not None
-        session = RouteSession(self.node, self.legs, view.plan.protocol_hops(), model=self.swarm.model,
-                               max_len=self.max_len, wire=self.wire)
+        replica = view.plan.protocol_hops()
+        rtts = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}
+        self._replica = state = RouteState(replica, rule=self.rule, prior=plan_prior(view.plan), rtts=rtts)
+        self.prober.rounds = state.rounds
+        session = RouteSession(self.node, self.legs, replica, model=self.swarm.model, max_len=self.max_len,
+                               wire=self.wire, open_timeout_s=state.rounds.deadline_s(1))
         await session.open(self._nursery)
         self._session, self._held = session, []
         log.info("audits run on %s", [f"{short(h.peer_id)} {h.start}:{h.end}" for h in session.hops])
         return session
 
-    async def _close_replica(self) -> None:
+    async def _close_replica(self, timeout_s: float = 5.0) -> None:
         session, self._session = self._session, None
         if session is not None:
             with trio.CancelScope(shield=True):
-                await session.close()
+                await session.close(timeout_s)
 
     def _rows(self, tokens: Sequence[int], start: int, commit: int, parents: Sequence[int] | None = None) -> np.ndarray:
         return rows_into_route(self.head, self.first, self._first_cache, tokens, start, commit, parents)
+
+    @property
+    def _rounds(self) -> RoundTimes | None:
+        return None if self._replica is None else self._replica.rounds
 
     async def _replay(self, session: RouteSession, window: Audited) -> np.ndarray:
         """The window on the replica route after the context it lacks; its output rows."""
         context, n = list(window.context), common_prefix(self._held, window.context)
         if window.parents is None:
             tokens = context[n:] + list(window.tokens)
-            out = await run_rows(session, await self._compute(tokens, n, n), start=n, commit=n)
+            out = await run_rows(session, await self._compute(tokens, n, n), start=n, commit=n, rounds=self._rounds)
             self._held = context + list(window.tokens)
             return out[-len(window.tokens):]
         if n < len(context):
-            await run_rows(session, await self._compute(context[n:], n, n), start=n, commit=n)
+            await run_rows(session, await self._compute(context[n:], n, n), start=n, commit=n, rounds=self._rounds)
         start = len(context)
         out = await run_rows(session, await self._compute(window.tokens, start, start, window.parents), start=start,
-                             commit=start, parents=window.parents)
+                             commit=start, parents=window.parents, rounds=self._rounds)
         self._held = context
         return out
 

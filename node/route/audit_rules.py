@@ -11,12 +11,47 @@ import numpy as np
 
 from dsd.protocol import Hop
 
-# Honest replicas differ by their precision only: on the real target, bfloat16 against float32 reaches a relative
-# gap of 0.034 per position and float16 0.005 (position 0 aside, see SINK), while every row of int4 weights is past
-# 0.086 and of a skipped layer past 0.2 (bench/results/integrity-gaps-2026-12-05.json). 0.06 sits between (1.75x
-# the worst honest row, 0.7x the mildest int4 row); at 0.1, int4 windows of a few rows passed audits at 0.09-0.097
-# (bench/results/integrity-detect-real-2026-12-05.json).
-DEFAULT_AUDIT_TOLERANCE = 0.06
+# Honest replicas differ by their precision (and by how their windows were batched) only, so the tolerance of an
+# audit is that of the pair of precisions the two routes run in: the largest per-position distance two honest routes
+# of that pair showed on the real target, times `TOLERANCE_MARGIN`, and never below `TOLERANCE_FLOOR`
+# (bench/results/audit-calibration-2026-12-06.json, `python bench/integrity.py calibrate`; a test checks this table
+# against that file). A route's precision is its least precise hop's (compute dtype, or the codec its rows leave in);
+# "+int8" marks a pair where either route carries rows in the lossy int8 wire codec.
+TOLERANCE_MARGIN = 1.75  # as the single tolerance before it had over the worst honest row (0.06 over 0.034)
+TOLERANCE_FLOOR = 0.01  # fp32 kernels differ across CPUs and GPUs (TF32) beyond one machine; 4x below a 0.04 liar
+AUDIT_TOLERANCES: dict[str, float] = {
+    "fp32/fp32": 0.01, "fp16/fp32": 0.01, "bf16/fp32": 0.06, "fp16/fp16": 0.01, "bf16/fp16": 0.06, "bf16/bf16": 0.06,
+    "fp32/fp32+int8": 0.1, "fp16/fp32+int8": 0.1, "bf16/fp32+int8": 0.1, "fp16/fp16+int8": 0.1,
+    "bf16/fp16+int8": 0.1, "bf16/bf16+int8": 0.1,
+}
+PRECISIONS = ("bf16", "fp16", "fp32")  # least precise first
+_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_OF_CODEC = {"bf16": "bf16", "fp16": "fp16"}  # raw keeps the dtype's precision; int8 is lossy (the "+int8" pairs)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How precisely a route computes and carries its rows: its least precise hop, and whether any hop puts them on
+    the wire in the lossy int8 codec."""
+
+    name: str
+    lossy: bool = False
+
+    @classmethod
+    def of_route(cls, hops: Sequence[tuple[str, str]]) -> Precision:
+        """From each hop's (compute dtype, wire codec; "" unknown: its dtype's exact codec). The head's own codec
+        does not count: both routes of an audit get the same input rows. An unknown dtype counts as the least
+        precise (an honest peer is never judged by too tight a tolerance)."""
+        names = [_OF_DTYPE.get(dtype, PRECISIONS[0]) for dtype, _ in hops]
+        names += [_OF_CODEC[codec] for _, codec in hops if codec in _OF_CODEC]
+        return cls(min(names or ["fp32"], key=PRECISIONS.index), any(codec == "int8" for _, codec in hops))
+
+
+def precision_pair(a: Precision, b: Precision) -> str:
+    """The calibration's key of two routes' precisions: "bf16/fp32", "fp32/fp32+int8", …"""
+    low, high = sorted((a.name, b.name), key=PRECISIONS.index)
+    return f"{low}/{high}" + ("+int8" if a.lossy or b.lossy else "")
+
 
 # Position 0 (the attention sink: a few huge activations) is not compared: honest bfloat16 moves its final row by up
 # to 0.116 on the real target, and that row feeds no logit a generation uses (it predicts the prompt's second

@@ -163,9 +163,11 @@ class RouteBackend(TargetBackend):
                 return
 
     async def settle(self) -> None:
-        """Wait for the audits of the windows collected so far (`LieCaught` if one failed)."""
+        """Wait for the audits of the windows collected so far (`LieCaught` if one failed), at most one deadline of
+        this route's own rounds: what one more round would be given."""
         if self.auditor is not None:
-            await self.auditor.settle()
+            rounds = self.client.state.rounds
+            await self.auditor.settle(rounds.deadline_s(rounds.last_tokens))
 
     def _logits(self, hidden: np.ndarray, rows: int) -> torch.Tensor:
         with torch.inference_mode():

@@ -21,6 +21,7 @@ import trio
 from dsd.discovery.host import P2PNode
 from dsd.discovery.swarm import SwarmWatch
 from dsd.protocol import Hop, WireFormat
+from dsd.protocol.deadlines import RoundTimes
 from dsd.protocol.route_state import short
 
 from .audit_rules import Comparison, Segment, segments
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 # Walks before a mismatch nobody repeats is called unattributed: a peer lying on a share F of windows answers a walk's
 # two probes honestly with probability (1 - F)^2; six walks leave 0.7^12 = 1.4 % at F = 0.3 (three left 12 %).
 BLAME_WALKS = 6
-PROBE_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 60.0  # a round's wait when no measured rounds bound it (`run_rows` without `rounds`)
 
 
 @dataclass(frozen=True)
@@ -50,33 +51,47 @@ class Verdict:
 
 async def run_rows(
     session: RouteSession, rows: np.ndarray, *, start: int, commit: int | None, parents: Sequence[int] | None = None,
-    chunk: int = 128, timeout: float = PROBE_TIMEOUT_S,
+    chunk: int = 128, rounds: RoundTimes | None = None, observe: bool = True,
 ) -> np.ndarray:
     """Rows through an open session at positions start..: a chain in chunks (each awaited), a tree whole; the output
-    rows in order."""
+    rows in order. Each round waits as the deadline rule of `rounds` says for its size (and is recorded there unless
+    not `observe`), else `PROBE_TIMEOUT_S`; RouteError (code timeout) when it passes."""
+
+    async def one(part: np.ndarray, at: int, since: int | None, tree: Sequence[int] | None) -> np.ndarray:
+        t0 = trio.current_time()
+        wait = PROBE_TIMEOUT_S if rounds is None else rounds.deadline_s(len(part))
+        out = await session.forward(part, start=at, commit=since, parents=tree, timeout=wait)
+        if rounds is not None and observe:
+            rounds.observe(len(part), trio.current_time() - t0)
+        return out
+
     if parents is not None:
-        return await session.forward(rows, start=start, commit=commit, parents=parents, timeout=timeout)
-    outs = []
-    for at in range(0, len(rows), chunk):
-        outs.append(await session.forward(rows[at : at + chunk], start=start + at, commit=commit if at == 0 else start + at,
-                                          timeout=timeout))
+        return await one(rows, start, commit, parents)
+    outs = [await one(rows[at : at + chunk], start + at, commit if at == 0 else start + at, None)
+            for at in range(0, len(rows), chunk)]
     return np.concatenate(outs) if outs else rows[:0]
 
 
 class Prober:
-    """Runs one span of layers on one peer, in a session of its own, over a context and a window."""
+    """Runs one span of layers on one peer, in a session of its own, over a context and a window; its opens and
+    rounds wait as `rounds` (the audits' measured replica rounds, when there are any) say."""
 
     def __init__(self, node: P2PNode, legs: ReturnLegs, *, model: str, max_len: int, wire: WireFormat) -> None:
         self.node, self.legs, self.model, self.max_len, self.wire = node, legs, model, max_len, wire
+        self.rounds: RoundTimes | None = None
 
     async def run(self, peer: Hop, start: int, end: int, rows: np.ndarray, context: int,
                   parents: Sequence[int] | None) -> np.ndarray:
         """Layers [start, end) of `peer` over `rows` (the first `context` a chain, the rest the window)."""
         hop = Hop(peer.peer_id, tuple(peer.addrs), start, end)
+        rounds = self.rounds
+        open_s = PROBE_TIMEOUT_S if rounds is None else rounds.deadline_s(1)
         async with open_route_session(self.node, self.legs, [hop], model=self.model, max_len=self.max_len,
-                                      wire=self.wire, open_timeout_s=PROBE_TIMEOUT_S) as session:
-            head = await run_rows(session, rows[:context], start=0, commit=0) if context else rows[:0]
-            tail = await run_rows(session, rows[context:], start=context, commit=context, parents=parents)
+                                      wire=self.wire, open_timeout_s=open_s) as session:
+            head = (await run_rows(session, rows[:context], start=0, commit=0, rounds=rounds, observe=False)
+                    if context else rows[:0])
+            tail = await run_rows(session, rows[context:], start=context, commit=context, parents=parents,
+                                  rounds=rounds, observe=False)
         return np.concatenate([head, tail])
 
 

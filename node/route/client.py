@@ -212,7 +212,7 @@ class RouteClient:
     async def _open(self, decision: Open) -> Decision:
         """Blacklist and forget what the decision names, close the old session in the background, open the new one."""
         for peer in decision.blacklist:
-            backoff = self.swarm.blacklist.add(peer)
+            backoff = self.swarm.blacklist.add(peer, why="a route of this head blamed it (silent, broken or slow)")
             log.warning("blacklisting %s for %.0f s", short(peer), backoff)
         for peer in decision.forget:
             self._nursery.start_soon(self.node.forget_peer, peer)

@@ -81,6 +81,7 @@ async def open_route(
             yield RouteBackend(head, client, timeout_s=timeout_s, local=local, audits=audits)
             return
         first = local if local is not None and local.start == 0 else None
-        auditor = Auditor(node, legs, swarm, head, ledger=audits, max_len=max_len, wire=wire, local_first=first)
+        auditor = Auditor(node, legs, swarm, head, ledger=audits, max_len=max_len, wire=wire, local_first=first,
+                          rule=rule)
         async with auditor.running():
             yield RouteBackend(head, client, timeout_s=timeout_s, local=local, auditor=auditor)

@@ -289,13 +289,14 @@ class RouteSession:
         except trio.TooSlowError as exc:
             raise RouteError(f"truncate not acknowledged within {timeout:.0f} s", code="timeout") from exc
 
-    async def close(self) -> None:
-        """Tell the route the session is over (best effort, within 5 s), then stop the watcher and drop the inbox.
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Tell the route the session is over (best effort, within `timeout_s`), then stop the watcher and drop the
+        inbox.
 
         Shielded: a generation that is cancelled (its client went away) still frees the peers' state at once."""
         try:
             if self._stream is not None:
-                with trio.move_on_after(5) as scope:
+                with trio.move_on_after(timeout_s) as scope:
                     scope.shield = True
                     try:
                         await self._stream.send(CloseSession(self.id))

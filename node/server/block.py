@@ -149,7 +149,7 @@ class BlockServer:
         return [PeerRecord(
             peer_id=self.node.peer_id, addrs=tuple(self.node.addrs), model=self.model_id, start=self.start,
             end=self.end, role="block", throughput=float(self.throughput), version=software_version(),
-            dtype=self.dtype_name, cache_tokens_left=int(self.cache_tokens_left),
+            dtype=self.dtype_name, codec=self.wire.codec, cache_tokens_left=int(self.cache_tokens_left),
         )]
 
     def kv_lengths(self) -> dict[str, int]:
