@@ -128,6 +128,7 @@ class SwarmWatch:
         self.surveyed_at = 0.0  # trio clock
         self.surveyed_unix = 0.0
         self.last_alive: dict[str, tuple[PeerRecord, float]] = {}  # peer id -> its last live record, unix time
+        self.records: dict[str, PeerRecord] = {}  # peer id -> the newest record any survey fetched (alive or not)
         self._lock = trio.Lock()
         self._wake = trio.Event()
 
@@ -204,13 +205,20 @@ class SwarmWatch:
             await trio.sleep(min(1.0, left))
 
     def _remember(self, view: SwarmView, now: float) -> None:
-        """Keep the records of the peers that answered the probes (seen at `now`, unix time); forget the long dead."""
+        """Keep the records of the peers that answered the probes (seen at `now`, unix time); forget the long dead.
+        Every record fetched is kept in `records` (what a peer announced: its dtype and codec, for audits)."""
+        for rec in view.records:
+            if rec.peer_id not in self.records or rec.issued >= self.records[rec.peer_id].issued:
+                self.records[rec.peer_id] = rec
         for rec in view.records:
             if view.rtts.get(rec.peer_id) is not None:
                 self.last_alive[rec.peer_id] = (rec, now)
         for peer, (_, seen) in list(self.last_alive.items()):
             if seen < now - DEAD_KEPT_S:
                 del self.last_alive[peer]
+        for peer, rec in list(self.records.items()):
+            if rec.expires < now - DEAD_KEPT_S:
+                del self.records[peer]
 
     def _note(self, before: SwarmView | None, view: SwarmView) -> None:
         if self.on_survey is not None:

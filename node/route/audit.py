@@ -291,7 +291,8 @@ class Auditor:
             await self._close_replica()
             rows_in = await trio.to_thread.run_sync(self._input_rows, window)
             verdict = await locate_liar(self.prober, self.swarm, window.hops, replica, rows_in,
-                                        context=len(window.context), parents=window.parents, tolerance=tolerance)
+                                        context=len(window.context), parents=window.parents,
+                                        tolerance=self._between)
             again = self._judge(window, verdict, evidence)
         finally:
             self._blame.set()
@@ -299,11 +300,13 @@ class Auditor:
         if again:
             await self._audit(window)  # the replica lied: the window itself is still unchecked (a new replica route)
 
+    def _between(self, one: Hop, other: Hop) -> float:
+        """The tolerance between two peers' rows of the same layers (blame's comparisons)."""
+        return self.options.tolerance_for(precision_pair(self._precision([one]), self._precision([other])))
+
     def _precision(self, hops: Sequence[Hop]) -> Precision:
         """A route's precision from its peers' records (compute dtype, wire codec); a peer without one: unknown."""
-        known = {r.peer_id: r for r, _ in self.swarm.last_alive.values()}
-        if self.swarm.view is not None:
-            known.update({r.peer_id: r for r in self.swarm.view.records})
+        known = self.swarm.records
         return Precision.of_route([(known[h.peer_id].dtype, known[h.peer_id].codec) if h.peer_id in known
                                    else ("", "") for h in hops])
 

@@ -11,7 +11,7 @@ then may answer these probes honestly: the walk is repeated a few times before t
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence, Set
+from collections.abc import AsyncIterator, Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ from .legs import ReturnLegs
 from .session import RouteSession, open_route_session
 
 log = logging.getLogger(__name__)
+
+Tolerance = Callable[[Hop, Hop], float]  # the tolerance between two peers' rows (by their precisions)
 
 # Walks before a mismatch nobody repeats is called unattributed: a peer lying on a share F of windows answers a walk's
 # two probes honestly with probability (1 - F)^2; six walks leave 0.7^12 = 1.4 % at F = 0.3 (three left 12 %).
@@ -131,9 +133,10 @@ async def third_replicas(swarm: SwarmWatch, seg: Segment, involved: set[str], *,
 
 async def locate_liar(
     prober: Prober, swarm: SwarmWatch, route: Sequence[Hop], replica: Sequence[Hop], rows: np.ndarray, *,
-    context: int, parents: Sequence[int] | None, tolerance: float, walks: int = BLAME_WALKS,
+    context: int, parents: Sequence[int] | None, tolerance: Tolerance, walks: int = BLAME_WALKS,
 ) -> Verdict:
-    """Walk the segments of `route` and `replica` from the head's input `rows` (see the module doc)."""
+    """Walk the segments of `route` and `replica` from the head's input `rows` (see the module doc); two peers' rows
+    are compared at `tolerance(one, other)` (their precisions' pair)."""
     involved = {h.peer_id for h in route} | {h.peer_id for h in replica}
     for walk in range(walks):
         x = rows
@@ -144,7 +147,7 @@ async def locate_liar(
                 return Verdict("unattributed", None, f"{', '.join(short(p) for p in silent)} did not answer a blame "
                                f"probe of layers {seg.start}:{seg.end}", {"blocks": f"{seg.start}:{seg.end}"}, silent)
             assert isinstance(mine, np.ndarray) and isinstance(theirs, np.ndarray)
-            pair = Comparison.of(mine, theirs, tolerance)
+            pair = Comparison.of(mine, theirs, tolerance(seg.route, seg.replica))
             if pair.agree:
                 x = theirs
                 continue
@@ -163,7 +166,7 @@ async def locate_liar(
 
 async def _third_opinion(
     prober: Prober, swarm: SwarmWatch, seg: Segment, x: np.ndarray, context: int, parents: Sequence[int] | None,
-    mine: np.ndarray, theirs: np.ndarray, tolerance: float, involved: set[str], evidence: dict[str, Any],
+    mine: np.ndarray, theirs: np.ndarray, tolerance: Tolerance, involved: set[str], evidence: dict[str, Any],
 ) -> Verdict | None:
     """Ask third replicas of the segment, nearest first, until one answers: the peer it contradicts lied. None when
     it agrees with neither; `disputed` when no third replica exists."""
@@ -174,17 +177,18 @@ async def _third_opinion(
         if isinstance(out, RouteError):
             log.info("blame: third replica %s did not answer: %s", short(third.peer_id), out)
             continue
-        with_route, with_replica = Comparison.of(out, mine, tolerance), Comparison.of(out, theirs, tolerance)
+        with_route = Comparison.of(out, mine, tolerance(third, seg.route))
+        with_replica = Comparison.of(out, theirs, tolerance(third, seg.replica))
         evidence = {**evidence, "third": third.peer_id, "third_vs_route": with_route.evidence(),
                     "third_vs_replica": with_replica.evidence()}
         if with_replica.agree and not with_route.agree:
             return Verdict("lied", seg.route.peer_id, f"{short(seg.route.peer_id)} returned wrong hidden states for "
                            f"layers {seg.start}:{seg.end} (max distance {with_route.largest:.3f}, tolerance "
-                           f"{tolerance})", evidence)
+                           f"{with_route.tolerance})", evidence)
         if with_route.agree and not with_replica.agree:
             return Verdict("lied", seg.replica.peer_id, f"{short(seg.replica.peer_id)} returned wrong hidden states "
                            f"for layers {seg.start}:{seg.end} (max distance {with_replica.largest:.3f}, tolerance "
-                           f"{tolerance})", evidence)
+                           f"{with_replica.tolerance})", evidence)
         log.warning("blame: the third replica %s agrees with neither (%.3f, %.3f)", short(third.peer_id),
                     with_route.largest, with_replica.largest)
         return None

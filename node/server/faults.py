@@ -3,7 +3,8 @@
 A `Fault` is chosen with `dsd-node start --faulty MODE` (hidden) or `testnet up --faulty INDEX:MODE`.
 Every lie keeps the honest shape and dtype, so a receiver cannot tell it by its form:
 
-- `noise`: the honest rows plus Gaussian noise of std 0.5 x each row's RMS (relative L2 ~0.5 per row);
+- `noise`: the honest rows plus Gaussian noise of std 0.5 x each row's RMS (relative L2 ~0.5 per row); `noise:S`
+  with std S x the RMS instead (relative L2 ~S: `noise:0.04` hides below a tolerance sized for bfloat16);
 - `skip-layer`: what the span computes without its last layer (a 1-layer span: its input);
 - `identity`: the input rows unchanged;
 - `stale`: the session's previous window's rows (trimmed, or the last one repeated); its first window is honest;
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from dsd.shard_store import SpanModule
 
-MODES = ("noise", "skip-layer", "identity", "stale", "int4", "intermittent:F")
+MODES = ("noise", "noise:S", "skip-layer", "identity", "stale", "int4", "intermittent:F")
 NOISE_SCALE = 0.5  # std of the noise, relative to each row's RMS
 INT4_GROUP = 32  # input columns sharing one absmax scale
 INT4_LEVELS = 7  # symmetric 4-bit: integers -7..7
@@ -37,13 +38,17 @@ INT4_LEVELS = 7  # symmetric 4-bit: integers -7..7
 
 @dataclass(frozen=True)
 class Fault:
-    """How a faulty peer lies: a mode of `MODES`, and for `intermittent` the share of windows that lie."""
+    """How a faulty peer lies: a mode of `MODES`, for `intermittent` the share of windows that lie, and the std of
+    the noise relative to each row's RMS."""
 
     mode: str
     share: float = 1.0
+    scale: float = NOISE_SCALE
 
     def __str__(self) -> str:
-        return f"intermittent:{self.share:g}" if self.mode == "intermittent" else self.mode
+        if self.mode == "intermittent":
+            return f"intermittent:{self.share:g}"
+        return f"noise:{self.scale:g}" if self.mode == "noise" and self.scale != NOISE_SCALE else self.mode
 
     def prepare(self, span: SpanModule) -> None:
         """Change the loaded span once, before it serves (`int4` quantizes its weights; other modes leave it)."""
@@ -67,6 +72,14 @@ def parse_fault(text: str) -> Fault:
         if not 0.0 < value <= 1.0:
             raise ValueError(f"intermittent:F needs a share 0 < F <= 1, got {text!r} (allowed modes: {allowed})")
         return Fault("intermittent", value)
+    if mode == "noise" and sep:
+        try:
+            scale = float(share)
+        except ValueError:
+            scale = float("nan")
+        if not 0.0 < scale <= 10.0:
+            raise ValueError(f"noise:S needs a relative noise 0 < S <= 10, got {text!r} (allowed modes: {allowed})")
+        return Fault("noise", scale=scale)
     if sep or mode not in MODES:
         raise ValueError(f"unknown fault {text!r}: allowed modes are {allowed}")
     return Fault(mode)
@@ -94,7 +107,7 @@ class FaultySession:
             return self._told(out)
         previous, self.previous = self.previous, out
         if mode == "noise" or (mode == "intermittent" and self.rng.random() < self.fault.share):
-            return self._told(in_dtype(add_noise(out, self.rng), span.dtype))
+            return self._told(in_dtype(add_noise(out, self.rng, self.fault.scale), span.dtype))
         if mode == "identity":
             return self._told(in_dtype(hidden, span.dtype))
         if mode == "stale" and previous is not None:
@@ -107,10 +120,10 @@ class FaultySession:
         return np.ascontiguousarray(rows, dtype=np.float32)
 
 
-def add_noise(rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """`rows` plus Gaussian noise whose std is NOISE_SCALE x each row's RMS."""
+def add_noise(rows: np.ndarray, rng: np.random.Generator, scale: float = NOISE_SCALE) -> np.ndarray:
+    """`rows` plus Gaussian noise whose std is `scale` x each row's RMS."""
     rms = np.sqrt(np.mean(np.square(rows, dtype=np.float64), axis=-1, keepdims=True))
-    return (rows + rng.standard_normal(rows.shape) * (NOISE_SCALE * rms)).astype(np.float32)
+    return (rows + rng.standard_normal(rows.shape) * (scale * rms)).astype(np.float32)
 
 
 def fit_rows(rows: np.ndarray, n: int) -> np.ndarray:

@@ -31,10 +31,14 @@ from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter, NgramDrafter
 from dsd.node.head.engine import HeadEngine
 from dsd.node.head.sampling import SamplingParams
+from dsd.node.head.setup import HeadSetup
+from dsd.node.peer.generation import RouteTarget, generate_over_swarm
 from dsd.node.peer.host import head_node
 from dsd.node.peer.shaper import LinkProfile
+from dsd.node.route.audit import AuditOptions
 from dsd.node.route.backend import RouteBackend
 from dsd.node.route.open import open_route_client
+from dsd.protocol import Hop
 from dsd.protocol.deadlines import DeadlineRule, RoundPrior, RoundTimes, WindowTimer
 from dsd.protocol.route_state import DeadlinePassed, first_silent, slowest_hop
 from dsd.shard_store import Store
@@ -197,6 +201,55 @@ def test_frozen_replica_of_each_span_is_routed_around_in_seconds(testnet: dict, 
     assert sorted(client.events[0].blamed) == sorted(frozen.stopped)  # only the frozen peers
     assert not set(frozen.stopped) & set(client.events[0].new_route)
     assert gap is not None and gap < 5.0
+
+
+FROZEN_AUDIT_ALLOWANCE_S = 5.0  # settle's grace (one deadline of the route's rounds, ~1.5 s here) and the noise
+
+
+@pytest.mark.network
+def test_a_frozen_audit_replica_costs_the_generation_nothing(testnet: dict, tiny_qwen2_root: Path,
+                                                             expected: list[int], frozen: Frozen) -> None:
+    """Every window audited on the other replica of each span; those replicas frozen mid-generation (so mid-audit):
+    the audit misses its deadline, the frozen peers are pinged and blacklisted, the audit is counted skipped, and the
+    generation ends within its unfrozen time (before the fix, the replica's rounds waited 60 s)."""
+    by_span: dict[int, list[dict]] = {}
+    for p in testnet["peers"]:
+        if p["role"] == "block":
+            by_span.setdefault(p["start"], []).append(p)
+    route = [Hop(ps[0]["peer_id"], (ps[0]["multiaddr"],), ps[0]["start"], ps[0]["end"]) for _, ps in sorted(by_span.items())]
+    replicas = [ps[1]["peer_id"] for ps in by_span.values()]
+    setup = HeadSetup(store(tiny_qwen2_root).load_head(), MODEL, 5, NgramDrafter())
+    cfg = GenerationConfig(mode="sd", max_new_tokens=N_NEW, gamma=3)
+
+    async def run(freeze: bool):
+        marks: list[float] = []
+        produced = [0]
+
+        def on_tokens(toks: list[int]) -> None:
+            produced[0] += len(toks)
+            if not marks and produced[0] >= 12:
+                if freeze:
+                    frozen.stop(*replicas)
+                marks.append(time.monotonic())
+
+        async with head_node([testnet["bootstrap"]]) as (node, legs):
+            watch = swarm_of(node, MODEL, 5)
+            report = await generate_over_swarm(node, legs, watch, setup, PROMPT, cfg, target=RouteTarget(hops=route),
+                                               audit=AuditOptions(rate=1.0, seed=3), on_tokens=on_tokens)
+            return report, time.monotonic() - marks[0], watch.blacklist.active()
+
+    calm, calm_s, _ = trio.run(run, False)
+    hot, hot_s, blacklisted = trio.run(run, True)
+    audits = hot.transport.audits
+    print(f"\nfrom token 12 to the end: {calm_s:.2f} s unfrozen, {hot_s:.2f} s with the audit replicas frozen; "
+          f"audits {audits.as_dict()}")
+    assert calm.tokens == expected and hot.tokens == expected
+    assert calm.transport.audits.audited >= 3  # the replicas really audited before the freeze
+    assert not hot.transport.failovers  # the generation's own route was never touched
+    assert hot_s < calm_s + FROZEN_AUDIT_ALLOWANCE_S
+    late = [why for why in audits.skipped if "missed its deadline" in why]
+    assert late and all(p[-8:] in late[0] for p in replicas), audits.skipped
+    assert set(replicas) <= blacklisted
 
 
 @pytest.mark.network

@@ -125,6 +125,16 @@ def test_every_mode_lies_on_chain_and_tree_windows(text: str, store: Store, hone
         assert 0.3 < float(np.mean(np.concatenate([chain, tree]))) < 0.7
 
 
+def test_noise_with_a_scale_lies_by_that_relative_distance(store: Store, honest_full: SpanModule,
+                                                            honest_windows: tuple[list[np.ndarray], list[int]]) -> None:
+    """`noise:0.04` (a lie small enough to hide under a bfloat16 tolerance): every row about 0.04 from the honest."""
+    honest, _ = honest_windows
+    lies, _ = session_windows(store, honest_full, parse_fault("noise:0.04"))
+    gaps = np.concatenate([relative_l2(lies[i], honest[i]) for i in (1, 3, 4)])
+    assert str(parse_fault("noise:0.04")) == "noise:0.04" and str(parse_fault("noise")) == "noise"
+    assert 0.025 < gaps.min() and gaps.max() < 0.06 and 0.03 < float(np.mean(gaps)) < 0.05, np.round(gaps, 4)
+
+
 def test_skip_layer_is_the_span_without_its_last_layer(store: Store, honest_full: SpanModule) -> None:
     """Across a kept path of a tree the lie stays exactly what the first layer alone computes on its own cache."""
     lies, _ = session_windows(store, honest_full, parse_fault("skip-layer"))
@@ -176,7 +186,7 @@ def test_intermittent_lies_on_about_its_share(store: Store, honest_full: SpanMod
     assert 70 <= lied <= 130
 
 
-@pytest.mark.parametrize("text", ["", "nois", "noise:2", "intermittent", "intermittent:0", "intermittent:1.5",
+@pytest.mark.parametrize("text", ["", "nois", "noise:0", "noise:x", "noise:11", "intermittent", "intermittent:0", "intermittent:1.5",
                                   "intermittent:x", "int8", "intermittent:F"])
 def test_parse_fault_names_the_allowed_modes(text: str) -> None:
     """A bad `--faulty` value is a ValueError that lists every allowed mode."""
