@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.calibration import calibrated, calibration
 
 from dsd.node.head.report import GenerationResult, TimeBreakdown
 from dsd.node.head.streaming import RepairGuard
+from dsd.node.route.audit import AuditOptions
 from dsd.node.route.audit_rules import (
+    AUDIT_TOLERANCES,
+    TOLERANCE_FLOOR,
+    TOLERANCE_MARGIN,
     Comparison,
     HeldTokens,
+    Precision,
     common_prefix,
+    precision_pair,
     replicas_announced,
     row_gaps,
     segments,
@@ -115,3 +122,33 @@ def test_a_replica_route_is_waited_for_only_when_records_announce_one() -> None:
     assert not replicas_announced(replicated, {"a", "b", "b2"}, (0, 5), 5)  # the banned or blacklisted do not count
     assert replicas_announced(replicated, {"a", "b", "b2"}, (0, 3), 5)  # the head serves layers 3:5 itself
     assert not replicas_announced([*one_per_span, PeerRecord("w", (), "m", 0, 5, role="federated", vocab_size=300, topk_cap=8)], {"a", "b"}, (0, 5), 5)
+
+
+
+def test_the_tolerance_table_is_the_committed_calibration_of_the_real_target() -> None:
+    """Every pair the head knows is in the calibration, at its tolerance rounded up to 3 decimals (never tighter)."""
+    data = calibration()
+    assert data["margin"] == TOLERANCE_MARGIN and data["floor"] == TOLERANCE_FLOOR
+    real = calibrated("real")
+    assert set(AUDIT_TOLERANCES) == set(real) == set(data["pairs"])
+    for pair, tolerance in AUDIT_TOLERANCES.items():
+        assert real[pair] <= tolerance < real[pair] + 0.001, pair
+        worst = data["models"]["real"]["pairs"][pair]["max"]
+        assert tolerance >= max(TOLERANCE_FLOOR, TOLERANCE_MARGIN * worst) - 1e-9
+    # what the tolerances are for: a 0.04-noise liar stands out among float32 replicas, never among bfloat16 ones
+    assert AUDIT_TOLERANCES["fp32/fp32"] < 0.04 < AUDIT_TOLERANCES["bf16/fp32"]
+
+
+def test_a_routes_precision_is_its_least_precise_hop_and_int8_on_the_wire_marks_the_pair_lossy() -> None:
+    fp32 = Precision.of_route([("float32", "raw"), ("float32", "")])
+    assert fp32 == Precision("fp32") and precision_pair(fp32, fp32) == "fp32/fp32"
+    mixed = Precision.of_route([("float32", "raw"), ("bfloat16", "bf16")])
+    assert precision_pair(mixed, fp32) == precision_pair(fp32, mixed) == "bf16/fp32"
+    assert Precision.of_route([("float32", "fp16")]) == Precision("fp16")  # rows rounded to fp16 on the wire
+    lossy = Precision.of_route([("float16", "int8"), ("float32", "raw")])
+    assert lossy == Precision("fp16", lossy=True) and precision_pair(fp32, lossy) == "fp16/fp32+int8"
+    # a peer whose record is missing, or a dtype the table lacks: judged as the least precise (no false ban)
+    assert Precision.of_route([("", ""), ("float32", "raw")]) == Precision("bf16")
+    assert AuditOptions().tolerance_for("fp16/fp32") == AUDIT_TOLERANCES["fp16/fp32"]
+    assert AuditOptions().tolerance_for("no/such") == max(AUDIT_TOLERANCES.values())
+    assert AuditOptions(tolerance=0.2).tolerance_for("fp32/fp32") == 0.2  # `--audit-tolerance` overrides all
