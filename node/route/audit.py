@@ -382,7 +382,7 @@ class Auditor:
         return session
 
     async def _close_replica(self, timeout_s: float = 5.0) -> None:
-        session, self._session = self._session, None
+        session, self._session, self._replica = self._session, None, None
         if session is not None:
             with trio.CancelScope(shield=True):
                 await session.close(timeout_s)
