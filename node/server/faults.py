@@ -63,23 +63,17 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     """A `--faulty` value as a Fault; ValueError naming the allowed modes when it is none of them."""
     allowed = ", ".join(MODES)
-    mode, sep, share = text.strip().partition(":")
-    if mode == "intermittent" and sep:
+    mode, sep, arg = text.strip().partition(":")
+    bounds = {"intermittent": ("F", "a share 0 < F <= 1", 1.0), "noise": ("S", "a relative noise 0 < S <= 10", 10.0)}
+    if mode in bounds and sep:
+        name, need, top = bounds[mode]
         try:
-            value = float(share)
+            value = float(arg)
         except ValueError:
             value = float("nan")
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"intermittent:F needs a share 0 < F <= 1, got {text!r} (allowed modes: {allowed})")
-        return Fault("intermittent", value)
-    if mode == "noise" and sep:
-        try:
-            scale = float(share)
-        except ValueError:
-            scale = float("nan")
-        if not 0.0 < scale <= 10.0:
-            raise ValueError(f"noise:S needs a relative noise 0 < S <= 10, got {text!r} (allowed modes: {allowed})")
-        return Fault("noise", scale=scale)
+        if not 0.0 < value <= top:
+            raise ValueError(f"{mode}:{name} needs {need}, got {text!r} (allowed modes: {allowed})")
+        return Fault("intermittent", value) if mode == "intermittent" else Fault("noise", scale=value)
     if sep or mode not in MODES:
         raise ValueError(f"unknown fault {text!r}: allowed modes are {allowed}")
     return Fault(mode)
