@@ -22,7 +22,8 @@ without position 0 (whose hidden state has a huge norm), and how often a prompt'
 
 `calibrate` measures what the head's per-pair tolerances come from: the distance between two honest routes. A
 route is two hops, [0, L/2) and [L/2, L), its peers computing in one precision class (fp32, fp16, bf16); rows cross
-the wire into hop 1, between the hops and back, exactly or through the lossy int8 codec. Per pair of classes
+the wire into hop 1, between the hops and back, exactly or through the lossy int8 codec (at every crossing, the
+peers' only, or the head's only: one head feeds both routes the same rows). Per pair of classes
 (`bf16/fp32`, ...; `+int8` when int8 carries the rows) it compares, position by position past the attention sink
 (`row_gaps`), one class's rows computed as a route sends a generation (the prompt in chunks of 128, the 16-token
 float32 greedy continuation in windows of 4) with the other's as a replica replays an audit (everything but the
@@ -125,11 +126,11 @@ def run_windows(pieces: Sequence[SpanModule], windows: Sequence[torch.Tensor],
                 cross: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """Run the windows ([1, t, h] inputs) one after another through the chained pieces, each keeping its cache;
     per window the half and full span's outputs as float32 [t, h]. `cross` (None: exact) is what the wire does to
-    rows where they cross it: into the first piece and out of each piece."""
+    rows where they leave a piece."""
     caches = [p.new_cache() for p in pieces]
     outs, pos = [], 0
     for x in windows:
-        h, got = x if cross is None else cross(x), []
+        h, got = x, []
         for piece, cache in zip(pieces, caches, strict=True):
             h = piece.step(h, pos, cache)
             if cross is not None:
@@ -344,7 +345,9 @@ def summarize_main(argv: Sequence[str]) -> int:
 
 # A route's precision class (its peers' compute dtype) and the dtype its spans load at, in pair-key order.
 CLASSES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-WIRES = ("exact", "int8")  # exact: no change (every class's own codec carries its values exactly); int8: lossy
+# Where rows cross the wire in the lossy int8 codec: nowhere (every class's own codec carries its values exactly),
+# everywhere (the head's rows into the first hop and each hop's rows out), the peers' rows only, the head's only.
+WIRES = ("exact", "int8", "int8-peers", "int8-head")
 CHUNK, WINDOW, CONTINUATION = 128, 4, 16  # prompt chunk, continuation window, continuation tokens
 SHAPES = {
     "route": f"the prompt in chunks of {CHUNK} tokens, then the {CONTINUATION}-token continuation in windows of "
@@ -396,16 +399,21 @@ def final_rows(pieces: Sequence[SpanModule], embedded: torch.Tensor, shape: str,
     over `wire`."""
     import torch
 
+    if wire in ("int8", "int8-head"):
+        embedded = int8_wire(embedded[0]).unsqueeze(0)
     windows = [embedded[:, a:b] for a, b in shape_cuts(embedded.shape[1], shape)]
-    outs = run_windows(pieces, windows, int8_wire if wire == "int8" else None)
+    outs = run_windows(pieces, windows, int8_wire if wire in ("int8", "int8-peers") else None)
     return torch.cat([o["full"] for o in outs]).numpy()
 
 
 def pair_assignments(a: str, b: str, wire: str) -> list[tuple[tuple[str, str], tuple[str, str]]]:
     """What goes into pair (a, b)'s distribution: ((route class, route wire), (replica class, replica wire)) — the
-    route class a against replica class b and, when a != b, the reverse; with int8 the route on int8 against the
-    replica exact and both on int8."""
-    wires = [("exact", "exact")] if wire == "exact" else [("int8", "exact"), ("int8", "int8")]
+    route class a against replica class b and, when a != b, the reverse; with int8: the route's peers on int8
+    against a replica's exact ones and both routes' peers on int8 (one head: both get the same input), the same with
+    the head on int8 too, and — no head does it, kept as a bound — the route alone on int8 everywhere."""
+    wires = [("exact", "exact")] if wire == "exact" else [
+        ("int8-peers", "exact"), ("int8-peers", "int8-peers"), ("int8", "int8-head"), ("int8", "int8"),
+        ("int8", "exact")]
     ordered = [(a, b)] if a == b else [(a, b), (b, a)]
     return [((x, rw), (y, pw)) for rw, pw in wires for x, y in ordered]
 
@@ -505,14 +513,20 @@ def calibrate_main(argv: Sequence[str]) -> int:
         "margin": MARGIN, "floor": FLOOR, "why": {"margin": MARGIN_WHY, "floor": FLOOR_WHY}, "sink": SINK,
         "shapes": SHAPES,
         "distribution": "pair a/b: route a against replica b, and for a != b also route b against replica a; "
-                        "+int8: the route on the int8 wire against the replica exact, and both on int8 (each both "
-                        "ways for a != b); nothing skipped",
+                        "+int8 (each both ways for a != b): the route's peers on int8 against the replica's exact, "
+                        "both routes' peers on int8, the head on int8 with the route's peers against the head on "
+                        "int8 alone, everything on int8 on both, and everything on int8 against all exact; "
+                        "nothing skipped",
+        "wires": {"exact": "no lossy crossing", "int8": "the head's rows into hop 1 and each hop's rows out on int8",
+                  "int8-peers": "each hop's rows out on int8, the head's exact", "int8-head": "the head's rows "
+                  "into hop 1 on int8, the hops' exact"},
         "load_before": os.getloadavg(), "seconds": {}, "models": {},
     }
     if out.exists():  # resume: keep the models an earlier run of the same settings finished
         old = json.loads(out.read_text())
         if (old.get("settings", {}).get("problems"), old.get("margin"), old.get("floor"), old.get("sink"),
-                old.get("shapes")) == (args.problems, MARGIN, FLOOR, SINK, SHAPES):
+                old.get("shapes"), old.get("distribution")) == (args.problems, MARGIN, FLOOR, SINK, SHAPES,
+                                                                 result["distribution"]):
             for m in models:
                 if m in old.get("models", {}):
                     result["models"][m], result["seconds"][m] = old["models"][m], old["seconds"][m]
