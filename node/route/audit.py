@@ -12,8 +12,8 @@ An audit never holds a generation up: the replica route's opens and rounds wait 
 (`dsd.protocol.deadlines`) says for that route (its planner's estimate, then its measured rounds); one that misses its
 deadline or fails is skipped, its peers are pinged and the silent ones blacklisted, as a route's silent hops are.
 The end of a generation (`settle`) waits for the audits in flight at most one deadline of its own route's rounds
-(one more round, were it to send one); the audits still running then are dropped and counted skipped. Only an audit
-that found a mismatch is waited for to the end of its blame: its verdict decides whether the text is redone.
+(one more round, were it to send one), and not at all once a replica route went silent or late (until another
+opens); the audits still running then are dropped and counted skipped. Only an audit that found a mismatch is waited for to the end of its blame: its verdict decides whether the text is redone.
 
 Each comparison uses the tolerance of the two routes' precision pair (`audit_rules.AUDIT_TOLERANCES`, from the peers'
 records: compute dtype and wire codec), unless the user gave one tolerance for all.
@@ -190,6 +190,7 @@ class Auditor:
         self._replica: RouteState | None = None  # the replica route's deadlines (its rounds) and ping timeouts
         self._current: trio.CancelScope | None = None  # the audit running now
         self._blame: trio.Event | None = None  # set once the blame under way has its verdict
+        self._stalled = trio.Event()  # set when a replica route went silent or late; cleared by the next one opened
         self._ended = False  # the generation settled: nothing more is audited
         self._held: list[int] = []  # the tokens the replica route holds
         self._no_replica: tuple[float, str] | None = None  # (until when, why) no replica route is looked for
@@ -234,10 +235,13 @@ class Auditor:
             raise LieCaught(self.failure)
 
     async def settle(self, grace_s: float) -> None:
-        """Wait for the audits offered so far at most `grace_s` (a blame under way to its verdict), drop the rest
-        (counted skipped), then `check`."""
+        """Wait for the audits offered so far at most `grace_s` — not at all once a replica route went silent or late
+        and no other was opened since; a blame under way to its verdict — drop the rest (counted skipped), then
+        `check`."""
         with trio.move_on_after(grace_s):
-            await self._drained.wait()
+            async with trio.open_nursery() as nursery:  # done, or stalled (a silent replica is not waited for)
+                for event in (self._drained, self._stalled):
+                    nursery.start_soon(_set_then_cancel, event, nursery.cancel_scope)
         if self._blame is not None:
             await self._blame.wait()  # a mismatch was seen: its verdict decides whether the text is redone
         self._ended = True
@@ -313,6 +317,7 @@ class Auditor:
     async def _replica_failed(self, exc: BaseException) -> None:
         """The replica route missed a deadline or broke: ping its hops, blacklist the silent ones (routes avoid them
         too), count the audit skipped with why, close the session."""
+        self._stalled.set()
         state, silent = self._replica, []
         if state is not None:
             silent = await ping_hops(self.node, state.hops, state.ping_timeouts(state.hops))
@@ -378,6 +383,8 @@ class Auditor:
                                wire=self.wire, open_timeout_s=state.rounds.deadline_s(1))
         await session.open(self._nursery)
         self._session, self._held = session, []
+        if self._stalled.is_set():
+            self._stalled = trio.Event()
         log.info("audits run on %s", [f"{short(h.peer_id)} {h.start}:{h.end}" for h in session.hops])
         return session
 
@@ -421,3 +428,8 @@ class Auditor:
         head = rows_into_route(self.head, self.first, cache, context, 0, 0) if context else None
         tail = rows_into_route(self.head, self.first, cache, window.tokens, len(context), len(context), window.parents)
         return tail if head is None else np.concatenate([head, tail])
+
+
+async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
