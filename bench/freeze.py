@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(args.results.read_text())
         result["runs"] = old.get("runs", [])
     result.setdefault("runs", [])
-    result["command"] = command_line("bench/freeze.py", sys.argv[1:] if argv is None else argv)
+    result["command"] = command_line("freeze.py", sys.argv[1:] if argv is None else argv)
     result["scenario"] = {"model": "tiny-qwen2 8 layers", "peers": 4, "replicas": 2, "latency_ms": args.latency_ms,
                           "mode": "sd", "draft": "ngram", "tokens": args.tokens, "freeze_after": args.freeze_after,
                           "audits": "default", "bar_s": BAR_S, "problems": list(PROBLEMS)}
