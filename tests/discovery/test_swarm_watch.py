@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dsd.discovery.planner import plan_route
+import pytest
+
+from dsd.discovery.planner import NoRouteError, plan_route
 from dsd.discovery.records import PeerRecord
 from dsd.discovery.survey import SwarmView
 from dsd.discovery.swarm import Blacklist, SwarmWatch
@@ -30,3 +32,22 @@ def test_a_new_generation_does_not_start_on_a_route_through_a_blacklisted_peer()
     watch.blacklist.add("b")
     assert watch.route_to_start() is None
     assert [h.peer_id for h in watch.hops or []] == ["a", "b"]  # the page still shows what the survey saw
+
+
+def test_a_no_route_message_says_why_each_peer_was_left_out() -> None:
+    """On the audited route, blacklisted (until when, why), banned (until when, the verdict), unreachable: each named
+    in the planner's error as the head's `exclusions` give them (not all as "blacklisted")."""
+    watch = SwarmWatch(None, "m", 8)  # type: ignore[arg-type]  # no survey is run here
+    watch.blacklist.add("frozen", why="silent on an audit's replica route")
+    watch.bans.add("liar", "liar returned wrong hidden states for layers 0:8", {})
+    why = watch.exclusions({"routed": "on the audited route"})
+    assert why["routed"] == "on the audited route"
+    assert why["frozen"].startswith("blacklisted until ") and " UTC, 30 s more: silent on an audit's" in why["frozen"]
+    assert why["liar"].startswith("banned until ") and why["liar"].endswith("wrong hidden states for layers 0:8")
+    records = [rec(p, 0, 8) for p in ("routed", "frozen", "liar", "gone")]
+    with pytest.raises(NoRouteError) as info:
+        plan_route(records, {"routed": 0.01, "frozen": 0.01, "liar": 0.01, "gone": None}, 8, blacklist=why)
+    message = str(info.value)
+    for peer in ("routed", "frozen", "liar"):
+        assert f"{peer[-8:]} ({why[peer]})" in message, message
+    assert "gone (no RTT measured (unreachable))" in message
