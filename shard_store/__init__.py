@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the names as type checkers see them ("X as X": re-exported)
     from .manifest import Manifest as Manifest
     from .modules import HeadModule as HeadModule
     from .modules import SpanModule as SpanModule
+    from .modules import SpanWindow as SpanWindow
     from .store import Store as Store
     from .tree_windows import MAX_TREE_NODES as MAX_TREE_NODES
     from .tree_windows import check_parents as check_parents
@@ -32,6 +33,7 @@ _HOMES = {
     "Manifest": "manifest",
     "SpanCache": "kv_cache",
     "SpanModule": "modules",
+    "SpanWindow": "modules",
     "Store": "store",
     "StoreError": "errors",
     "check_parents": "tree_windows",

@@ -156,3 +156,22 @@ class SpanCache:
 
     def __repr__(self) -> str:
         return f"SpanCache(span=[{self.start}, {self.end}), length={self._length}, nbytes={self.nbytes})"
+
+
+class JointCache:
+    """The caches of several sessions stepping as one window (`SpanModule.forward_many`): a layer's keys and values
+    for the stacked rows are split by session, appended to each session's own cache, and handed back side by side
+    (each session's whole prefix, then the next's), which the step's block-diagonal mask keeps apart."""
+
+    def __init__(self, caches: Sequence[SpanCache], sizes: Sequence[int]) -> None:
+        if len(caches) != len(sizes) or not caches:
+            raise StoreError(f"a joint cache needs one window size per cache, got {len(sizes)} for {len(caches)}")
+        self.caches, self.sizes = list(caches), list(sizes)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each session's rows into its cache; the keys/values over every session's prefix, side by side."""
+        parts = [c.update(k, v, layer_idx) for c, k, v in zip(self.caches, key_states.split(self.sizes, dim=-2),
+                                                               value_states.split(self.sizes, dim=-2), strict=True)]
+        return torch.cat([k for k, _ in parts], dim=-2), torch.cat([v for _, v in parts], dim=-2)

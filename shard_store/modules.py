@@ -8,6 +8,7 @@ causal or token-tree mask, per-span cache) lives here. A module computes where i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from .errors import StoreError
 from .families import FamilyAdapter
-from .kv_cache import SpanCache
+from .kv_cache import JointCache, SpanCache
 from .tree_windows import check_parents, is_chain, tree_mask, tree_position_ids
 
 if TYPE_CHECKING:
@@ -80,6 +81,19 @@ class HeadModule(nn.Module):
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+
+@dataclass(frozen=True)
+class SpanWindow:
+    """One session's window for a step shared with other sessions (`SpanModule.step_many`): its hidden states
+    [1, t, hidden] at positions start_pos.., its cache, and `commit`/`parents`/`keep` as `SpanModule.step` takes them."""
+
+    hidden: torch.Tensor
+    start_pos: int
+    cache: SpanCache
+    commit: int | None = None
+    parents: Sequence[int] | torch.Tensor | None = None
+    keep: Sequence[int] | None = None
 
 
 class SpanModule(nn.Module):
@@ -179,6 +193,16 @@ class SpanModule(nn.Module):
                 cache.keep(commit, list(keep) if keep else [])
             return self(hidden, start_pos, cache, parents)
 
+    def step_many(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor]:
+        """Several sessions' windows as one step (`forward_many`), each first committing its cache's last window as
+        `step` does; the outputs in the windows' order. A window that does not fit its cache is refused (StoreError)
+        before any layer runs."""
+        with torch.inference_mode():
+            for w in windows:
+                if w.commit is not None:
+                    w.cache.keep(w.commit, list(w.keep) if w.keep else [])
+            return self.forward_many(windows)
+
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, start_pos: int, cache: SpanCache, parents: Sequence[int] | torch.Tensor | None = None
@@ -189,12 +213,62 @@ class SpanModule(nn.Module):
         tree (see shard_store.tree_windows): node i at start_pos + depth(i), attending to the cache and its
         ancestors only; every node's K/V is appended and `cache.keep` later commits one path.
         """
+        tree = self._check_window(hidden, start_pos, cache, parents)
+        b, t, _ = hidden.shape
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if tree is None:
+            position_ids = torch.arange(start_pos, start_pos + t, device=hidden.device).unsqueeze(0).expand(b, t)
+        else:
+            position_ids = tree_position_ids(start_pos, tree, device=hidden.device).expand(b, t)
+        masks = {kind: self._window_mask(kind, start_pos, t, tree, hidden) for kind in set(self._layer_types)}
+        cache.begin(t, tree)
+        return self._run_layers(hidden, position_ids, masks, [cache], cache)
+
+    @torch.no_grad()
+    def forward_many(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor]:
+        """Several sessions' windows as one step: the projections and MLPs run over their stacked rows (the
+        weights are read once), attention per session against its own cache (a block-diagonal mask over the
+        caches side by side). Each output equals `forward` of its window alone within float rounding."""
+        if len(windows) == 1:
+            w = windows[0]
+            return [self.forward(w.hidden, w.start_pos, w.cache, w.parents)]
+        if len({id(w.cache) for w in windows}) != len(windows):
+            raise StoreError("span forward_many: two windows of one cache in the same step")
+        trees = [self._check_window(w.hidden, w.start_pos, w.cache, w.parents) for w in windows]
+        if any(w.hidden.shape[0] != 1 for w in windows):
+            raise StoreError("span forward_many: every window must be a batch of 1")
+        sizes = [int(w.hidden.shape[1]) for w in windows]
+        hidden = torch.cat([w.hidden for w in windows], dim=1).to(device=self.device, dtype=self.dtype)
+        device = hidden.device
+        position_ids = torch.cat([
+            torch.arange(w.start_pos, w.start_pos + t, device=device) if tree is None
+            else tree_position_ids(w.start_pos, tree, device=device)[0]
+            for w, t, tree in zip(windows, sizes, trees, strict=True)
+        ]).unsqueeze(0)
+        masks = {}
+        for kind in set(self._layer_types):
+            blocks = [self._window_mask(kind, w.start_pos, t, tree, hidden, explicit=True)
+                      for w, t, tree in zip(windows, sizes, trees, strict=True)]
+            masks[kind] = torch.block_diag(*[m[0, 0] for m in blocks]).unsqueeze(0).unsqueeze(0)
+            outside = torch.block_diag(*[torch.ones_like(m[0, 0], dtype=torch.bool) for m in blocks])
+            masks[kind].masked_fill_(~outside, torch.finfo(hidden.dtype).min)
+        for w, t, tree in zip(windows, sizes, trees, strict=True):
+            w.cache.begin(t, tree)
+        caches = [w.cache for w in windows]
+        out = self._run_layers(hidden, position_ids, masks, caches, JointCache(caches, sizes))
+        return list(out.split(sizes, dim=1))
+
+    def _check_window(
+        self, hidden: torch.Tensor, start_pos: int, cache: SpanCache, parents: Sequence[int] | torch.Tensor | None
+    ) -> list[int] | None:
+        """StoreError unless the window fits this span and its cache; its tree (None for a chain, or a tree that is
+        exactly a chain: same mask, positions and kernels)."""
         if not isinstance(cache, SpanCache) or (cache.start, cache.end) != (self.start, self.end):
             raise StoreError(f"span [{self.start}, {self.end}) needs a cache from its own new_cache()")
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
             shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise StoreError(f"span forward: hidden must be [batch, tokens, {self.hidden_size}], got {shape}")
-        b, t, _ = hidden.shape
+        t = hidden.shape[1]
         if t == 0:
             raise StoreError("span forward: empty window (0 tokens)")
         if start_pos != cache.length:
@@ -202,22 +276,32 @@ class SpanModule(nn.Module):
                 f"span forward: start_pos {start_pos} != cache length {cache.length} "
                 "(truncate the cache first, or send the missing positions)"
             )
-        tree: list[int] | None = None
-        if parents is not None:
-            tree = check_parents(parents)
-            if len(tree) != t:
-                raise StoreError(f"span forward: tree has {len(tree)} parents but the window has {t} tokens")
-            if is_chain(tree):
-                tree = None  # exactly the chain path: same mask, positions and kernels
-        hidden = hidden.to(device=self.device, dtype=self.dtype)
-        if tree is None:
-            position_ids = torch.arange(start_pos, start_pos + t, device=hidden.device).unsqueeze(0).expand(b, t)
-            masks = {kind: self._mask(kind, start_pos, t, hidden.dtype, hidden.device) for kind in set(self._layer_types)}
-        else:
-            position_ids = tree_position_ids(start_pos, tree, device=hidden.device).expand(b, t)
-            masks = {kind: self._tree_mask(kind, start_pos, tree, hidden) for kind in set(self._layer_types)}
+        if parents is None:
+            return None
+        tree = check_parents(parents)
+        if len(tree) != t:
+            raise StoreError(f"span forward: tree has {len(tree)} parents but the window has {t} tokens")
+        return None if is_chain(tree) else tree
+
+    def _window_mask(
+        self, kind: str, start_pos: int, t: int, tree: list[int] | None, hidden: torch.Tensor, explicit: bool = False
+    ) -> torch.Tensor | None:
+        """The additive mask [1, 1, t, start_pos + t] of a chain or a tree window for one attention kind (None where
+        none is needed, unless `explicit`)."""
+        if tree is not None:
+            return self._tree_mask(kind, start_pos, tree, hidden)
+        mask = self._mask(kind, start_pos, t, hidden.dtype, hidden.device)
+        if mask is None and explicit:
+            return torch.zeros((1, 1, t, start_pos + t), dtype=hidden.dtype, device=hidden.device)
+        return mask
+
+    def _run_layers(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict[str, torch.Tensor | None],
+        caches: Sequence[SpanCache], cache: SpanCache | JointCache,
+    ) -> torch.Tensor:
+        """The layers over `hidden`, appending to `caches` (begun), which commit after the last layer or forget
+        the window if one fails."""
         rotations = self.adapter.rotate(self.rotary_emb, hidden, position_ids, set(self._layer_types))
-        cache.begin(t, tree)
         try:
             for layer, kind in zip(self.layers, self._layer_types, strict=True):
                 hidden = layer(
@@ -229,7 +313,9 @@ class SpanModule(nn.Module):
                     position_embeddings=rotations[kind],
                 )
         except BaseException:
-            cache.abort()
+            for c in caches:
+                c.abort()
             raise
-        cache.commit()
+        for c in caches:
+            c.commit()
         return hidden

@@ -31,7 +31,7 @@ from dsd.node.head.engine import HeadEngine
 from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import load_drafter
-from dsd.shard_store import HeadModule, SpanModule, Store, convert
+from dsd.shard_store import HeadModule, SpanModule, SpanWindow, Store, StoreError, convert
 
 SPANS = [(0, 2), (2, 5)]
 FP32_TOL = 1e-4  # a window vs the whole sequence in float32 (see test_store_spans.py)
@@ -128,6 +128,60 @@ def test_split_windows_and_truncation_equal_the_whole_model(family: Family) -> N
     assert (got - _whole(family.model, other)[:, 12:]).abs().max().item() <= FP32_TOL
 
 
+
+
+def test_sessions_stepped_together_equal_each_stepped_alone(family: Family) -> None:
+    """In float64: three sessions at different lengths (past the sliding window of 6, and not) step together —
+    a 1-token chain, a 4-token chain and a tree, then a kept path, a truncation and fresh windows — and every
+    output row and the caches after equal each session stepped alone (`SpanModule.step_many`, issue 54)."""
+    store = Store(family.store)
+    span = store.load_span(0, 5, dtype=torch.float64)
+    head = store.load_head(dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+
+    def ids(n: int) -> torch.Tensor:
+        return head.embed(torch.randint(3, 300, (1, n), generator=gen))
+
+    prefixes = [ids(9), ids(3), ids(14)]
+    alone = [span.new_cache() for _ in prefixes]
+    joint = [span.new_cache() for _ in prefixes]
+    for x, a, j in zip(prefixes, alone, joint, strict=True):
+        span.step(x, 0, a)
+        span.step(x, 0, j)
+    tree = [-1, 0, 0, 1, 2]
+    rounds = [  # per session: (rows, commit, parents, keep) of its window in this step
+        [(ids(1), None, None, None), (ids(4), None, None, None), (ids(5), None, tree, None)],
+        [(ids(2), 9, None, None), (ids(1), 5, None, None), (ids(1), 14, None, [0, 2, 4])],  # truncate, keep a path
+    ]
+    worst = 0.0
+    for windows in rounds:
+        starts = [c.length if commit is None else commit + len(keep or []) for (_, commit, _, keep), c
+                  in zip(windows, alone, strict=True)]
+        want = [span.step(rows, at, c, commit=commit, parents=parents, keep=keep) for (rows, commit, parents, keep),
+                at, c in zip(windows, starts, alone, strict=True)]
+        got = span.step_many([SpanWindow(rows, at, c, commit, parents, keep) for (rows, commit, parents, keep), at, c
+                              in zip(windows, starts, joint, strict=True)])
+        assert [g.shape for g in got] == [w.shape for w in want]
+        worst = max([worst] + [(g - w).abs().max().item() for g, w in zip(got, want, strict=True)])
+        assert [c.length for c in joint] == [c.length for c in alone]
+    for a, j in zip(alone, joint, strict=True):  # the caches hold the same keys and values
+        nxt = ids(1)
+        worst = max(worst, (span.step(nxt, a.length, a) - span.step(nxt, j.length, j)).abs().max().item())
+    assert worst <= EXACT
+
+
+def test_stepping_sessions_together_refuses_bad_windows_before_touching_a_cache(family: Family) -> None:
+    store = Store(family.store)
+    span = store.load_span(0, 5)
+    head = store.load_head()
+    x = head.embed(torch.tensor([[5, 6, 7]]))
+    a, b = span.new_cache(), span.new_cache()
+    span.step(x, 0, a)
+    with pytest.raises(StoreError, match="start_pos 2 != cache length 0"):
+        span.step_many([SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 2, b)])
+    with pytest.raises(StoreError, match="two windows of one cache"):
+        span.step_many([SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 3, a)])
+    assert (a.length, b.length) == (3, 0)
 
 
 def test_tree_window_equals_its_paths_as_chains(family: Family) -> None:
