@@ -252,9 +252,14 @@ class SpanModule(nn.Module):
             masks[kind] = torch.block_diag(*[m[0, 0] for m in blocks]).unsqueeze(0).unsqueeze(0)
             outside = torch.block_diag(*[torch.ones_like(m[0, 0], dtype=torch.bool) for m in blocks])
             masks[kind].masked_fill_(~outside, torch.finfo(hidden.dtype).min)
-        for w, t, tree in zip(windows, sizes, trees, strict=True):
-            w.cache.begin(t, tree)
         caches = [w.cache for w in windows]
+        try:
+            for w, t, tree in zip(windows, sizes, trees, strict=True):
+                w.cache.begin(t, tree)
+        except StoreError:
+            for c in caches:
+                c.abort()
+            raise
         out = self._run_layers(hidden, position_ids, masks, caches, JointCache(caches, sizes))
         return list(out.split(sizes, dim=1))
 

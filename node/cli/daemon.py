@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 
 from dsd.node.server.faults import Fault, parse_fault
-from dsd.node.server.limits import ServerLimits
+from dsd.node.server.limits import (
+    DEFAULT_MAX_BATCH_SESSIONS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    BatchOptions,
+    ServerLimits,
+)
 
 from .options import (
     DEFAULT_IDENTITY,
@@ -42,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-budget", type=int, default=ServerLimits.kv_budget_tokens, metavar="TOKENS", help="KV cache tokens reserved across sessions")
     p.add_argument("--max-len", type=int, default=ServerLimits.max_len, metavar="TOKENS", help="longest session this peer accepts")
     p.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout_s, metavar="S", help="free a session after S seconds without a message")
+    p.add_argument("--batching", choices=("on", "off"), default="on", help="run windows of different sessions that wait while the span computes as one step (the weights are read once for all their rows); off: one window per step, as before (default on)")
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="ROWS", help=f"most rows (window tokens) one batched step holds; the oldest window always goes in the next step (default {DEFAULT_MAX_BATCH_TOKENS}, at most {DEFAULT_MAX_BATCH_SESSIONS} sessions a step)")
     add_codec_options(p, "this peer's")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this peer's compute")
     p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S", help="announce this throughput (decode tokens/s through the whole span) instead of measuring it at start: a figure measured when the machine was idle, or a weight that steers heads' routes (default: measured)")
@@ -82,6 +89,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     try:
         fault = faulty_option(args)
+        batching = BatchOptions(enabled=args.batching == "on", max_tokens=args.max_batch_tokens)
     except ValueError as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
@@ -117,6 +125,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         reachability=args.reachability,
         relay=args.relay,
         fault=fault,
+        batching=batching,
     )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         print(f"dsd-node: --metrics-port must be in 0..65535, got {args.metrics_port}", file=sys.stderr)

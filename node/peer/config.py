@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsd.node.server.faults import Fault
-from dsd.node.server.limits import ServerLimits
+from dsd.node.server.limits import BatchOptions, ServerLimits
 from dsd.protocol import WireFormat
 
 from .metrics_http import DEFAULT_METRICS_HOST
@@ -48,6 +48,7 @@ class DaemonConfig:
     reachability: str = "auto"  # auto (AutoNAT dial-backs) | public | private (reached through relays)
     relay: bool | None = None  # serve circuit relay v2; None: only a bootstrap-only node does
     fault: Fault | None = None  # `--faulty`: the block server lies on purpose (tests and demos only)
+    batching: BatchOptions = field(default_factory=BatchOptions)  # `--batching`, `--max-batch-tokens`
 
 
 def parse_blocks(text: str, num_layers: int) -> tuple[int, int]:

@@ -194,7 +194,7 @@ async def load_blocks(
     t0 = time.perf_counter()
     server = await trio.to_thread.run_sync(
         lambda: BlockServer(node, store, start, end, limits=cfg.limits, wire=cfg.wire,
-                            device=placement.device, dtype=placement.dtype, fault=cfg.fault)
+                            device=placement.device, dtype=placement.dtype, fault=cfg.fault, batching=cfg.batching)
     )
     log.info("loaded blocks %d:%d of %s on %s in %.1f s", start, end, server.model_id, placement, time.perf_counter() - t0)
     throughput = await announced_throughput(cfg, server)

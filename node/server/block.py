@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,9 +45,10 @@ from dsd.protocol import (
     decode_tensor,
 )
 from dsd.protocol.ids import INFER_PROTOCOL
-from dsd.shard_store import SpanModule, Store
+from dsd.shard_store import SpanModule, SpanWindow, Store
 from dsd.shard_store.dtypes import dtype_name
 
+from .batching import Batcher, BatchOptions, Job
 from .faults import Fault, FaultySession
 from .ledger import (
     Ledger,
@@ -57,7 +59,7 @@ from .ledger import (
     watch_upstream,
 )
 from .limits import ServerLimits
-from .metrics import PeerMetrics, timed
+from .metrics import PeerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class BlockServer:
         dtype: torch.dtype | None = None,
         metrics: PeerMetrics | None = None,
         fault: Fault | None = None,
+        batching: BatchOptions | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -125,7 +128,8 @@ class BlockServer:
         self.sessions: dict[tuple[str, int], Session] = {}
         self.ledger = Ledger(self.limits, "peer")
         self._subspans: dict[tuple[int, int], SpanModule] = {(start, end): self.span}
-        self._compute = trio.CapacityLimiter(1)
+        self.batcher = Batcher(batching)
+        self._compute = self.batcher.compute  # one step at a time; shutdown and the throughput probe hold it too
         self.windows_served = 0
         self.closing = False
         self.throughput = 1.0
@@ -399,8 +403,12 @@ class BlockServer:
         hidden = self._hidden(msg)
         session.state.extend(hidden.shape[0], msg.parents)
         commit = msg.commit if msg.keep else length  # begin checked a kept path against the last window
-        out, seconds = await trio.to_thread.run_sync(timed, self._window, session, hidden, msg, commit, limiter=self._compute)
-        self.metrics.observe_forward(hidden.shape[0], seconds)
+        window = SpanWindow(torch.from_numpy(hidden).unsqueeze(0), msg.start, session.cache, commit, msg.parents,
+                            msg.keep)
+        lie = None if session.lies is None else partial(self._window, session, hidden, msg, commit)
+        job = Job(session.span, window, alone=lie)
+        out = await self.batcher.run(job)
+        self.metrics.observe_forward(hidden.shape[0], job.seconds)
         session.windows += 1
         self.windows_served += 1
         wire = self.wire.encode(out)

@@ -26,3 +26,21 @@ class ServerLimits:
     send_timeout_s: float = 60.0
     liveness_interval_s: float = 5.0
     liveness_timeout_s: float = 5.0
+
+
+DEFAULT_MAX_BATCH_TOKENS = 256  # rows per step: a 128-token prompt chunk and a hundred decode windows beside it
+DEFAULT_MAX_BATCH_SESSIONS = 16
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """Whether windows of different sessions share a step, and how many rows and sessions one step may hold."""
+
+    enabled: bool = True
+    max_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_sessions: int = DEFAULT_MAX_BATCH_SESSIONS
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.max_sessions < 1:
+            raise ValueError(f"--max-batch-tokens and the session cap must be >= 1, got {self.max_tokens}, "
+                             f"{self.max_sessions}")

@@ -1,0 +1,147 @@
+"""Continuous batching on a block peer: windows of different sessions waiting while the span computes run as one
+step when it is free (`SpanModule.step_many`: the weights are read once for all their rows).
+
+No task of its own: every window's coroutine queues its job and competes for the span (one step at a time); the one
+that gets it takes the oldest waiting job and, after it, every other waiting job on the same span in arrival order
+while the step's rows stay within `max_tokens` and its sessions within `max_sessions`, runs them in a worker thread,
+and hands each its rows. The oldest job always goes in the next step, so no session waits behind more than the steps
+already queued before it. A step of one job is exactly today's unbatched step; with batching off every step is one
+job. A step whose joint run fails (one window's cache refuses it) is rerun window by window, so each gets its own
+answer or error. A faulty peer's lying sessions (tests and demos) always step alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import trio
+
+from dsd.shard_store import SpanModule, SpanWindow
+
+from .limits import BatchOptions
+
+
+@dataclass(eq=False)  # a job is itself: queues find it by identity
+class Job:
+    """One session's window waiting for the span: what `SpanModule.step` takes, and, once run, its rows or error.
+    `alone` runs it outside any batch (a lying session's step)."""
+
+    span: SpanModule
+    window: SpanWindow
+    alone: Callable[[], np.ndarray] | None = None
+    queued_at: float = field(default_factory=time.monotonic)
+    done: trio.Event = field(default_factory=trio.Event)
+    rows: np.ndarray | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0  # the step's compute time
+    batch: int = 0  # how many windows the step held
+
+    @property
+    def tokens(self) -> int:
+        return int(self.window.hidden.shape[1])
+
+
+class Batcher:
+    """The span's steps: `run` a job and get its rows (see the module doc); `compute` is the limiter every step
+    holds (the peer's throughput probe and shutdown hold it too)."""
+
+    def __init__(self, options: BatchOptions | None = None, compute: trio.CapacityLimiter | None = None) -> None:
+        self.options = options or BatchOptions()
+        self.compute = compute or trio.CapacityLimiter(1)
+        self._waiting: list[Job] = []
+        self.steps = 0
+        self.batched_windows = 0  # windows that ran in a step with others
+
+    async def run(self, job: Job) -> np.ndarray:
+        """Queue `job`, take part in the steps until it has run; its output rows [tokens, hidden] as float32."""
+        self._waiting.append(job)
+        try:
+            while not job.done.is_set():
+                async with self.compute:
+                    if job.done.is_set():
+                        break
+                    batch = self._take()
+                    with trio.CancelScope(shield=True):  # the others' rows are delivered even if this session ends
+                        await trio.to_thread.run_sync(self._step, batch)
+        finally:
+            if job in self._waiting:
+                self._waiting.remove(job)
+        if job.error is not None:
+            raise job.error
+        assert job.rows is not None
+        return job.rows
+
+    def _take(self) -> list[Job]:
+        """The oldest waiting job, then the others on its span in arrival order within the step's budget."""
+        first = self._waiting.pop(0)
+        batch, rows = [first], first.tokens
+        if not self.options.enabled or first.alone is not None:
+            return batch
+        for job in list(self._waiting):
+            if len(batch) >= self.options.max_sessions:
+                break
+            if job.span is not first.span or job.alone is not None or rows + job.tokens > self.options.max_tokens:
+                continue
+            self._waiting.remove(job)
+            batch.append(job)
+            rows += job.tokens
+        return batch
+
+    def _step(self, batch: Sequence[Job]) -> None:
+        """In the worker thread: commit each window's cache, run the windows as one step (one by one if that fails),
+        set each job's rows or error and wake it."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                ready = [job for job in batch if self._commit(job)]
+                if len(ready) > 1:
+                    try:
+                        outs = ready[0].span.forward_many([j.window for j in ready])
+                    except Exception:  # a cache refused its window: each window its own answer or error
+                        for job in ready:
+                            self._forward(job)
+                    else:
+                        for job, out in zip(ready, outs, strict=True):
+                            job.rows = _rows(out)
+                        self.batched_windows += len(ready)
+                else:
+                    for job in ready:
+                        self._forward(job)
+        finally:
+            seconds = time.perf_counter() - t0
+            self.steps += 1
+            for job in batch:
+                job.seconds, job.batch = seconds, len(batch)
+                trio.from_thread.run_sync(job.done.set)
+
+    @staticmethod
+    def _commit(job: Job) -> bool:
+        """Commit the cache's last window as the job's window says (a lying session's whole step runs here)."""
+        try:
+            if job.alone is not None:
+                job.rows = job.alone()
+                return False
+            w = job.window
+            if w.commit is not None:
+                w.cache.keep(w.commit, list(w.keep) if w.keep else [])
+            return True
+        except Exception as exc:
+            job.error = exc
+            return False
+
+    @staticmethod
+    def _forward(job: Job) -> None:
+        try:
+            w = job.window
+            job.rows = _rows(job.span.forward(w.hidden, w.start_pos, w.cache, w.parents))
+        except Exception as exc:
+            job.error = exc
+
+
+def _rows(out: torch.Tensor) -> np.ndarray:
+    """A step's output [1, tokens, hidden] as float32 rows on the CPU (they cross the wire from there)."""
+    return out[0].to("cpu").to(torch.float32).numpy()

@@ -1,0 +1,160 @@
+"""Continuous batching on a block peer (issue 54), without a network: windows of different sessions that wait while
+the span computes run as one step and each gets the rows it would get alone; the oldest window always goes in the
+next step (no session starves behind a stream of others); a window its cache refuses gets its own error and the
+others their rows; with batching off every step holds one window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from dsd.node.server.batching import Batcher, Job
+from dsd.node.server.limits import BatchOptions
+from dsd.shard_store import SpanModule, SpanWindow, Store
+
+FP32_TOL = 1e-4  # a window in a batch vs alone, float32 (the spans test's bound: row order changes the sums)
+
+
+@pytest.fixture(scope="module")
+def span(tiny_qwen2_store: Path) -> SpanModule:
+    return Store(tiny_qwen2_store).load_span(0, 5)
+
+
+def rows(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((1, n, 64)).astype(np.float32))
+
+
+def prefilled(span: SpanModule, n: int, seed: int):
+    cache = span.new_cache(64)
+    span.step(rows(n, seed), 0, cache)
+    return cache
+
+
+def run_together(batcher: Batcher, jobs: list[Job], hold: float = 0.05) -> None:
+    """Every job queued while the span is busy (a step held for `hold` s), then all run; each job's coroutine
+    as a session's would."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async with batcher.compute:  # the span is busy: the jobs queue behind it
+                for job in jobs:
+                    nursery.start_soon(batcher.run, job)
+                await trio.sleep(hold)
+
+    trio.run(main)
+
+
+def test_waiting_windows_of_several_sessions_run_as_one_step_and_equal_each_alone(span: SpanModule) -> None:
+    sizes, trees = [1, 4, 5, 1], [None, None, [-1, 0, 0, 1, 2], None]
+    caches = [prefilled(span, n, seed) for seed, n in enumerate([9, 3, 14, 20])]
+    alone_caches = [prefilled(span, n, seed) for seed, n in enumerate([9, 3, 14, 20])]
+    windows = [rows(t, 100 + i) for i, t in enumerate(sizes)]
+    want = [span.step(x, c.length, c, parents=tree)[0].numpy() for x, c, tree in zip(windows, alone_caches, trees,
+                                                                                      strict=True)]
+    batcher = Batcher(BatchOptions())
+    jobs = [Job(span, SpanWindow(x, c.length, c, None, tree)) for x, c, tree in zip(windows, caches, trees, strict=True)]
+    run_together(batcher, jobs)
+    assert [j.batch for j in jobs] == [4, 4, 4, 4] and batcher.steps == 1
+    for job, w in zip(jobs, want, strict=True):
+        assert job.rows is not None and job.rows.shape == w.shape
+        assert np.abs(job.rows - w).max() <= FP32_TOL
+    assert [c.length for c in caches] == [c.length for c in alone_caches]
+
+
+def test_batching_off_runs_one_window_per_step(span: SpanModule) -> None:
+    caches = [prefilled(span, 4, seed) for seed in range(3)]
+    batcher = Batcher(BatchOptions(enabled=False))
+    jobs = [Job(span, SpanWindow(rows(1, seed), 4, c)) for seed, c in enumerate(caches)]
+    run_together(batcher, jobs)
+    assert [j.batch for j in jobs] == [1, 1, 1] and batcher.steps == 3
+
+
+def test_the_oldest_window_goes_first_and_a_step_keeps_to_its_row_budget(span: SpanModule) -> None:
+    """A budget of 8 rows: the 20-row window queued first runs alone at once (the oldest always runs), then the
+    1-row windows in steps of at most 8 rows, in the order they came."""
+    big = prefilled(span, 2, 0)
+    small = [prefilled(span, 2, seed) for seed in range(1, 11)]
+    batcher = Batcher(BatchOptions(max_tokens=8))
+    jobs = [Job(span, SpanWindow(rows(20, 0), 2, big))] + [Job(span, SpanWindow(rows(1, i), 2, c))
+                                                            for i, c in enumerate(small)]
+    order: list[int] = []
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            await batcher.run(jobs[i])
+            order.append(i)
+
+        async with trio.open_nursery() as nursery:
+            async with batcher.compute:
+                for i in range(len(jobs)):
+                    nursery.start_soon(one, i)
+                    await trio.sleep(0.001)  # arrival order = index order
+
+    trio.run(main)
+    assert jobs[0].batch == 1 and order[0] == 0
+    assert [j.batch for j in jobs[1:]] == [8] * 8 + [2, 2]
+    assert batcher.steps == 3
+
+
+def test_no_session_starves_behind_a_stream_of_others(span: SpanModule) -> None:
+    """Sessions that send a new window as soon as the last returns keep the span busy; a session that queues
+    among them is served within the steps already queued before it (here: the very next step)."""
+    busy = [prefilled(span, 2, seed) for seed in range(6)]
+    late = prefilled(span, 2, 99)
+    batcher = Batcher(BatchOptions(max_tokens=4))  # 4 one-row windows a step: the busy ones alone fill it
+    done_at: dict[str, int] = {}
+
+    async def main() -> None:
+        async def hammer(c) -> None:
+            for _ in range(12):
+                await batcher.run(Job(span, SpanWindow(rows(1, 1), c.length, c)))
+
+        async def latecomer() -> None:
+            await trio.sleep(0.05)
+            queued_at = batcher.steps
+            await batcher.run(Job(span, SpanWindow(rows(1, 7), late.length, late)))
+            done_at["late"] = batcher.steps - queued_at
+
+        async with trio.open_nursery() as nursery:
+            for c in busy:
+                nursery.start_soon(hammer, c)
+            nursery.start_soon(latecomer)
+
+    trio.run(main)
+    assert done_at["late"] <= 3  # the step under way, at most the one it was queued behind, then its own
+
+
+def test_a_window_its_cache_refuses_gets_its_own_error_and_the_others_their_rows(span: SpanModule) -> None:
+    full = span.new_cache(4)
+    span.step(rows(4, 0), 0, full)  # max_length 4: no room for another position
+    ok = prefilled(span, 4, 1)
+    alone = prefilled(span, 4, 1)
+    x = rows(1, 5)
+    want = span.step(x, 4, alone)[0].numpy()
+    batcher = Batcher(BatchOptions())
+    jobs = [Job(span, SpanWindow(rows(1, 4), 4, full)), Job(span, SpanWindow(x, 4, ok))]
+
+    async def main() -> list[object]:
+        results: list[object] = [None, None]
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await batcher.run(jobs[i])
+            except Exception as exc:
+                results[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            async with batcher.compute:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+                await trio.sleep(0.05)
+        return results
+
+    refused, rows_ok = trio.run(main)
+    assert "cache full" in str(refused)
+    assert isinstance(rows_ok, np.ndarray) and np.abs(rows_ok - want).max() <= FP32_TOL
+    assert (full.length, ok.length) == (4, 5)
