@@ -408,7 +408,7 @@ class BlockServer:
         lie = None if session.lies is None else partial(self._window, session, hidden, msg, commit)
         job = Job(session.span, window, alone=lie)
         out = await self.batcher.run(job)
-        self.metrics.observe_forward(hidden.shape[0], job.seconds)
+        self.metrics.observe_forward(hidden.shape[0], job.seconds, job.batch)
         session.windows += 1
         self.windows_served += 1
         wire = self.wire.encode(out)

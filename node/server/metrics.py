@@ -73,6 +73,8 @@ class PeerMetrics:
         self.forward = Histogram("dsd_peer_forward_step_seconds", "Compute time of one window through this "
                                  "peer's span (a worker's whole model), by window size (positions)", ["window"], buckets=STEP_BUCKETS,
                                  registry=r)
+        self.step_windows = Histogram("dsd_peer_step_windows", "Windows (of different sessions) one compute step "
+                                      "ran together, per window: 1 = alone", buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.sessions_open = Gauge("dsd_peer_sessions_open", "Sessions holding a place on this peer", registry=r)
         self.kv_reserved = Gauge("dsd_peer_kv_tokens_reserved", "KV cache tokens reserved by open sessions "
                                  "(their max_len)", registry=r)
@@ -99,8 +101,10 @@ class PeerMetrics:
         """An Error frame of `code` this peer sent (a bad opening, a session ended by an error)."""
         self.errors.labels(code=code).inc()
 
-    def observe_forward(self, tokens: int, seconds: float) -> None:
+    def observe_forward(self, tokens: int, seconds: float, batch: int = 1) -> None:
+        """One window's step: its compute time and how many windows that step ran together."""
         self.forward.labels(window=window_bucket(tokens)).observe(seconds)
+        self.step_windows.observe(batch)
 
     def track(self, stream: FramedStream) -> None:
         """Count the bytes `stream` moves until `untrack` (call that in a `finally`)."""

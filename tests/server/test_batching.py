@@ -158,3 +158,62 @@ def test_a_window_its_cache_refuses_gets_its_own_error_and_the_others_their_rows
     assert "cache full" in str(refused)
     assert isinstance(rows_ok, np.ndarray) and np.abs(rows_ok - want).max() <= FP32_TOL
     assert (full.length, ok.length) == (4, 5)
+
+
+MODEL, LAYERS, N_NEW = "tiny-qwen2", 5, 24
+HEAD_PROMPTS = [[1, 17, 42, 99, 5], [1, 250, 3, 3, 8, 9], [1, 7, 7, 7], [1, 120, 121, 122, 123, 124, 125],
+                [1, 60, 61], [1, 200, 17, 42]]
+
+
+@pytest.mark.network
+def test_heads_generating_at_once_over_a_batching_swarm_each_get_the_whole_models_tokens(
+        tiny_qwen2_root: Path, tiny_qwen2_hf, tmp_path: Path) -> None:
+    """Six heads at once (`ar` and `dsd` with trees, prompt lookup) over a 2-peer route with batching on (the
+    default): every head's greedy tokens equal transformers' for its prompt, and the peers did run windows of
+    different sessions in one step (their `dsd_peer_step_windows` histogram)."""
+    from support.heads import generate_on
+    from support.models import hf_greedy
+    from support.processes import cli_testnet
+
+    from dsd.node.head.config import GenerationConfig
+    from dsd.node.head.drafters import NgramDrafter
+    from dsd.node.head.setup import HeadSetup
+    from dsd.node.peer.host import head_node
+
+    with cli_testnet(tmp_path, "--store", str(tiny_qwen2_root / "store"), "--peers", "2", "--metrics",
+                     "--wan-latency-ms", "20") as net:
+        setup = HeadSetup(Store(tiny_qwen2_root / "store").load_head(), MODEL, LAYERS, NgramDrafter())
+        modes = ["ar", "dsd", "sd", "ar", "dsd", "sd"]
+        tokens: list[list[int] | None] = [None] * len(HEAD_PROMPTS)
+
+        async def one(i: int) -> None:
+            cfg = GenerationConfig(mode=modes[i], max_new_tokens=N_NEW, gamma=3)
+            async with head_node([net["bootstrap"]]) as (node, legs):
+                tokens[i] = (await generate_on(node, legs, setup, HEAD_PROMPTS[i], cfg)).tokens
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(HEAD_PROMPTS)):
+                    nursery.start_soon(one, i)
+
+        trio.run(main)
+        together = [scrape_step_windows(p["metrics_url"]) for p in net["peers"] if p["role"] == "block"]
+    for i, prompt in enumerate(HEAD_PROMPTS):
+        assert tokens[i] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW), (i, modes[i])
+    print(f"\nwindows run alone / with others, per peer: {together}")
+    assert any(shared > 0 for _, shared in together), together
+
+
+def scrape_step_windows(url: str) -> tuple[float, float]:
+    """(windows run alone, windows run with others) from a peer's `dsd_peer_step_windows` histogram."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    alone = total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            if s.name == "dsd_peer_step_windows_bucket" and s.labels.get("le") == "1.0":
+                alone = s.value
+            elif s.name == "dsd_peer_step_windows_count":
+                total = s.value
+    return alone, total - alone
