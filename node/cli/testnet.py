@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
     up.add_argument("--threads", type=int, default=1, help="torch threads per peer (default 1)")
     add_codec_options(up, "the peers'")
+    up.add_argument("--batching", choices=("on", "off"), default="on", help="the block peers' start --batching: windows of different sessions in one step (default on)")
     up.add_argument("--record-ttl", type=float, default=30.0, metavar="S")
     up.add_argument("--timeout", type=float, default=180.0, metavar="S", help="give up if no full route after S seconds")
     up.add_argument("--json", action="store_true", help="print the state as JSON")
@@ -70,7 +71,7 @@ def spec_of(args: argparse.Namespace):
         workers = [s for s in (args.store, args.store2) if s is not None]
     return SwarmSpec(
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
-        codec=args.codec, zstd=args.zstd, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
+        codec=args.codec, zstd=args.zstd, batching=args.batching, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
         device=args.device, dtype=args.dtype, metrics=args.metrics,
         fork_program=args.program if args.spawn == "fork" else None, faults=args.faulty,

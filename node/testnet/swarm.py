@@ -51,6 +51,7 @@ class SwarmSpec:
     threads: int = 1
     codec: str = "auto"
     zstd: bool = False  # every block peer zstd-compresses the hidden states it sends
+    batching: str = "on"  # every block peer's `--batching` (windows of different sessions in one step)
     record_ttl_s: float = 30.0
     timeout_s: float = 180.0
     link: LinkProfile = field(default_factory=LinkProfile)  # what every daemon sends on, unless peer_profiles says
@@ -234,6 +235,7 @@ def _up_blocks(launch: _Launch, boot: PeerProcess, faults: dict[int, str],
             "start", "--store", str(spec.store), "--blocks", f"{start}:{end}", "--bootstrap", boot.multiaddr,
             "--threads", str(spec.threads), "--codec", spec.codec, "--record-ttl", str(spec.record_ttl_s),
             *(["--zstd"] if spec.zstd else []), *(["--faulty", faults[i]] if i in faults else []),
+            "--batching", spec.batching,
         ], links.get(i))
         proc.start, proc.end, proc.fault = start, end, faults.get(i)
     launch.await_peers()
