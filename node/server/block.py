@@ -10,6 +10,7 @@ accepted path, which every peer of the ring keeps in its cache instead of trunca
 The span computes on its device in its dtype (weights and KV caches live there); hidden states
 cross to the CPU only to be put on the wire, by default in the codec of the compute dtype.
 A faulty peer (`faults`, `--faulty`: tests and demos only) sends lies instead, after the same honest step.
+Windows of different sessions that wait while the span computes run as one step (`batching.Batcher`, `--batching`).
 """
 
 from __future__ import annotations
