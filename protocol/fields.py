@@ -62,6 +62,12 @@ def _epoch(v: Any, f: str, lim: Limits) -> int:
     return check_int(v, f, 0, MAX_U63)
 
 
+def _flag(v: Any, f: str, lim: Limits) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"must be true or false, got {type(v).__name__}", f, BAD_REQUEST)
+    return v
+
+
 def _nonce(v: Any, f: str, lim: Limits) -> int:
     return check_int(v, f, 0, MAX_U64)
 

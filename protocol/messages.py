@@ -23,6 +23,7 @@ from .fields import (
     _check_tree,
     _epoch,
     _Field,
+    _flag,
     _idents,
     _name,
     _nonce,
@@ -255,7 +256,8 @@ class Forward(Message):
 
     `parents` makes the window a token tree (node i at start + depth(i)); `keep` lists the accepted
     nodes of the previous window, root first: the peers keep those rows after `commit` instead of
-    truncating to it, so then start = commit + len(keep).
+    truncating to it, so then start = commit + len(keep). `ahead` marks a window the head sent on a bet,
+    before the result it follows (no head is blocked on it yet: a busy peer runs blocked windows first).
     """
 
     TYPE: ClassVar[str] = "forward"
@@ -266,6 +268,7 @@ class Forward(Message):
         _Field("commit", _opt_pos),
         _tensor_field("hidden"),
         *_tree_fields(),
+        _Field("ahead", _flag, optional=True, omit_default=True),
     )
     session: str
     epoch: int
@@ -274,6 +277,7 @@ class Forward(Message):
     hidden: WireTensor
     parents: tuple[int, ...] | None = None
     keep: tuple[int, ...] | None = None
+    ahead: bool = False
 
     def _check_more(self, limits: Limits, prefix: str) -> None:
         shape = self.hidden.shape

@@ -176,7 +176,7 @@ class RouteBackend(TargetBackend):
 
     async def _send(
         self, tokens: Sequence[int], start: int, commit: int | None, epoch: int,
-        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None, ahead: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         hidden = await trio.to_thread.run_sync(self._rows_out, tokens, start, commit, parents, keep, limiter=self._limiter)
@@ -186,7 +186,8 @@ class RouteBackend(TargetBackend):
         context = self._held.sent(tokens, start, commit, parents, keep)
         if self.auditor is not None:
             self._sent.append((epoch, start, context, list(tokens), None if parents is None else list(parents)))
-        await self.client.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+        await self.client.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep,
+                                      ahead=ahead)
 
     async def submit(
         self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,
@@ -227,7 +228,7 @@ class RouteBackend(TargetBackend):
         async with self._route_lock:
             self._ahead.append(list(tokens))
             self._uncollected += 1
-            await self._send(tokens, start, commit, epoch)  # nothing goes out on a broken route: collect() recovers
+            await self._send(tokens, start, commit, epoch, ahead=True)  # a broken route: collect() recovers
 
     async def _send_chunks(
         self, tokens: Sequence[int], start: int, commit: int, epoch: int, keep: Sequence[int] | None = None

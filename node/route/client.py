@@ -113,7 +113,7 @@ class RouteClient:
 
     async def send_window(
         self, hidden: np.ndarray, *, start: int, commit: int | None, epoch: int,
-        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None,
+        parents: Sequence[int] | None = None, keep: Sequence[int] | None = None, ahead: bool = False,
     ) -> None:
         """Send a window on the current session (nothing once a send has failed: the next receive recovers)."""
         if self._fault is not None:
@@ -121,7 +121,8 @@ class RouteClient:
         assert self.session is not None
         self._hidden_size = int(hidden.shape[-1])
         try:
-            await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+            await self.session.send_window(hidden, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep,
+                                           ahead=ahead)
         except RouteError as exc:
             self._fault = exc.fault()
             return

@@ -227,17 +227,19 @@ class RouteSession:
         epoch: int = 0,
         parents: Sequence[int] | None = None,
         keep: Sequence[int] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Send hidden states [tokens, hidden] at positions start.. down the route (does not wait).
 
         `parents` makes the window a token tree; `keep` commits the accepted path of the previous
-        window (root first) after `commit` = its start, so then start = commit + len(keep).
+        window (root first) after `commit` = its start, so then start = commit + len(keep). `ahead`: sent on a
+        bet, before the result it follows (busy peers run the windows heads are blocked on first).
         """
         wire = self.wire.encode(np.ascontiguousarray(hidden, dtype=np.float32))
         tree = None if parents is None else tuple(parents)
         path = None if keep is None else tuple(keep)
         self.hidden_size = int(hidden.shape[-1])
-        await self.send_message(Forward(self.id, epoch, start, commit, wire, tree, path))
+        await self.send_message(Forward(self.id, epoch, start, commit, wire, tree, path, ahead))
 
     async def receive(self, *, until: float) -> Result | None:
         """The next result on this session (of any epoch), or None at `until` (trio time) if none has come.

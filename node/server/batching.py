@@ -2,10 +2,12 @@
 step when it is free (`SpanModule.step_many`: the weights are read once for all their rows).
 
 No task of its own: every window's coroutine queues its job and competes for the span (one step at a time); the one
-that gets it takes the oldest waiting job and, after it, every other waiting job on the same span in arrival order
-while the step's rows stay within `max_tokens` and its sessions within `max_sessions`, runs them in a worker thread,
-and hands each its rows. The oldest job always goes in the next step, so no session waits behind more than the steps
-already queued before it. A step of one job is exactly today's unbatched step; with batching off every step is one
+that gets it takes the most urgent waiting job and, after it, every other waiting job on the same span in order of
+urgency while the step's rows stay within `max_tokens` and its sessions within `max_sessions`, runs them in a worker
+thread, and hands each its rows. Urgency: windows a head is blocked on first, then windows sent ahead on a bet
+(`Forward.ahead`), each kind oldest first; a window sent ahead that `AHEAD_PATIENCE` steps have passed by counts as
+blocked. So the oldest blocked window always goes in the next step, and no window waits behind more than the steps
+already queued before it plus that patience. A step of one job is exactly today's unbatched step; with batching off every step is one
 job. A step whose joint run fails (one window's cache refuses it) is rerun window by window, so each gets its own
 answer or error. A faulty peer's lying sessions (tests and demos) always step alone.
 """
@@ -24,6 +26,8 @@ from dsd.shard_store import SpanModule, SpanWindow
 
 from .limits import BatchOptions
 
+AHEAD_PATIENCE = 2  # steps a window sent ahead may be passed by blocked ones before it counts as blocked itself
+
 
 @dataclass(eq=False)  # a job is itself: queues find it by identity
 class Job:
@@ -33,6 +37,8 @@ class Job:
     span: SpanModule
     window: SpanWindow
     alone: Callable[[], np.ndarray] | None = None
+    ahead: bool = False  # sent on a bet: no head waits on it yet
+    passed: int = 0  # steps that ran while it waited (a window sent ahead is promoted after AHEAD_PATIENCE)
     queued_at: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event)
     rows: np.ndarray | None = None
@@ -76,19 +82,24 @@ class Batcher:
         return job.rows
 
     def _take(self) -> list[Job]:
-        """The oldest waiting job, then the others on its span in arrival order within the step's budget."""
-        first = self._waiting.pop(0)
+        """The most urgent waiting job, then the others on its span in that order within the step's budget: jobs
+        a head is blocked on before those sent ahead on a bet (promoted once AHEAD_PATIENCE steps passed them by),
+        each kind oldest first."""
+        order = sorted(self._waiting, key=lambda j: j.ahead and j.passed < AHEAD_PATIENCE)  # stable: arrival order
+        first = order[0]
+        self._waiting.remove(first)
         batch, rows = [first], first.tokens
-        if not self.options.enabled or first.alone is not None:
-            return batch
-        for job in list(self._waiting):
-            if len(batch) >= self.options.max_sessions:
-                break
-            if job.span is not first.span or job.alone is not None or rows + job.tokens > self.options.max_tokens:
-                continue
-            self._waiting.remove(job)
-            batch.append(job)
-            rows += job.tokens
+        if self.options.enabled and first.alone is None:
+            for job in order[1:]:
+                if len(batch) >= self.options.max_sessions:
+                    break
+                if job.span is not first.span or job.alone is not None or rows + job.tokens > self.options.max_tokens:
+                    continue
+                self._waiting.remove(job)
+                batch.append(job)
+                rows += job.tokens
+        for job in self._waiting:
+            job.passed += 1
         return batch
 
     def _step(self, batch: Sequence[Job]) -> None:

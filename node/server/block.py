@@ -407,7 +407,7 @@ class BlockServer:
         window = SpanWindow(torch.from_numpy(hidden).unsqueeze(0), msg.start, session.cache, commit, msg.parents,
                             msg.keep)
         lie = None if session.lies is None else partial(self._window, session, hidden, msg, commit)
-        job = Job(session.span, window, alone=lie)
+        job = Job(session.span, window, alone=lie, ahead=msg.ahead)
         out = await self.batcher.run(job)
         self.metrics.observe_forward(hidden.shape[0], job.seconds, job.batch)
         session.windows += 1
@@ -416,7 +416,7 @@ class BlockServer:
         reply: Message = (
             Result(session.id, msg.epoch, msg.start, wire)  # a row per node, in window order
             if session.last_hop
-            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire, msg.parents, msg.keep)
+            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire, msg.parents, msg.keep, msg.ahead)
         )
         await self._send_down(session, reply)
 

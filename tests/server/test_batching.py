@@ -100,6 +100,29 @@ def test_the_oldest_window_goes_first_and_a_step_keeps_to_its_row_budget(span: S
     assert batcher.steps == 3
 
 
+def test_windows_a_head_waits_on_go_before_those_sent_ahead_which_wait_at_most_two_steps(span: SpanModule) -> None:
+    """One window a step (a 1-row budget): a window sent ahead on a bet, queued first, lets the blocked windows
+    queued after it go first — but only for `AHEAD_PATIENCE` (2) steps, then it goes."""
+    caches = [prefilled(span, 2, seed) for seed in range(4)]
+    jobs = [Job(span, SpanWindow(rows(1, i), 2, c), ahead=i == 0) for i, c in enumerate(caches)]
+    batcher = Batcher(BatchOptions(max_tokens=1))
+    order: list[int] = []
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            await batcher.run(jobs[i])
+            order.append(i)
+
+        async with trio.open_nursery() as nursery:
+            async with batcher.compute:
+                for i in range(len(jobs)):
+                    nursery.start_soon(one, i)
+                    await trio.sleep(0.001)
+
+    trio.run(main)
+    assert order == [1, 2, 0, 3]
+
+
 def test_no_session_starves_behind_a_stream_of_others(span: SpanModule) -> None:
     """Sessions that send a new window as soon as the last returns keep the span busy; a session that queues
     among them is served within the steps already queued before it (here: the very next step)."""
