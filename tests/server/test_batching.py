@@ -48,6 +48,26 @@ def run_together(batcher: Batcher, jobs: list[Job], hold: float = 0.05) -> None:
     trio.run(main)
 
 
+def finishing_order(batcher: Batcher, jobs: list[Job]) -> list[int]:
+    """Queue the jobs one after another (arrival order = index order) while the span is busy; the order in which
+    their sessions got their rows back."""
+    order: list[int] = []
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            await batcher.run(jobs[i])
+            order.append(i)
+
+        async with trio.open_nursery() as nursery:
+            async with batcher.compute:
+                for i in range(len(jobs)):
+                    nursery.start_soon(one, i)
+                    await trio.sleep(0.001)
+
+    trio.run(main)
+    return order
+
+
 def test_waiting_windows_of_several_sessions_run_as_one_step_and_equal_each_alone(span: SpanModule) -> None:
     sizes, trees = [1, 4, 5, 1], [None, None, [-1, 0, 0, 1, 2], None]
     caches = [prefilled(span, n, seed) for seed, n in enumerate([9, 3, 14, 20])]
@@ -81,20 +101,7 @@ def test_the_oldest_window_goes_first_and_a_step_keeps_to_its_row_budget(span: S
     batcher = Batcher(BatchOptions(max_tokens=8))
     jobs = [Job(span, SpanWindow(rows(20, 0), 2, big))] + [Job(span, SpanWindow(rows(1, i), 2, c))
                                                             for i, c in enumerate(small)]
-    order: list[int] = []
-
-    async def main() -> None:
-        async def one(i: int) -> None:
-            await batcher.run(jobs[i])
-            order.append(i)
-
-        async with trio.open_nursery() as nursery:
-            async with batcher.compute:
-                for i in range(len(jobs)):
-                    nursery.start_soon(one, i)
-                    await trio.sleep(0.001)  # arrival order = index order
-
-    trio.run(main)
+    order = finishing_order(batcher, jobs)
     assert jobs[0].batch == 1 and order[0] == 0
     assert [j.batch for j in jobs[1:]] == [8] * 8 + [2, 2]
     assert batcher.steps == 3
@@ -106,20 +113,7 @@ def test_windows_a_head_waits_on_go_before_those_sent_ahead_which_wait_at_most_t
     caches = [prefilled(span, 2, seed) for seed in range(4)]
     jobs = [Job(span, SpanWindow(rows(1, i), 2, c), ahead=i == 0) for i, c in enumerate(caches)]
     batcher = Batcher(BatchOptions(max_tokens=1))
-    order: list[int] = []
-
-    async def main() -> None:
-        async def one(i: int) -> None:
-            await batcher.run(jobs[i])
-            order.append(i)
-
-        async with trio.open_nursery() as nursery:
-            async with batcher.compute:
-                for i in range(len(jobs)):
-                    nursery.start_soon(one, i)
-                    await trio.sleep(0.001)
-
-    trio.run(main)
+    order = finishing_order(batcher, jobs)
     assert order == [1, 2, 0, 3]
 
 
