@@ -16,6 +16,7 @@ from torch import nn
 
 from .errors import StoreError
 from .families import FamilyAdapter
+from .joint_attention import PREFIX, joint_segments, registered
 from .kv_cache import JointCache, SpanCache
 from .tree_windows import check_parents, is_chain, tree_mask, tree_position_ids
 
@@ -117,6 +118,8 @@ class SpanModule(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = adapter.new_rotary(config).to(next(self.layers.parameters()).device)
+        if not str(config._attn_implementation).startswith(PREFIX):  # attention per session in a joint step
+            config._attn_implementation = registered(config._attn_implementation)
         self._layer_types = adapter.layer_kinds(config)[start:end]
         self._sliding_window = getattr(config, "sliding_window", None)
         self.eval()
@@ -227,8 +230,9 @@ class SpanModule(nn.Module):
     @torch.no_grad()
     def forward_many(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor]:
         """Several sessions' windows as one step: the projections and MLPs run over their stacked rows (the
-        weights are read once), attention per session against its own cache (a block-diagonal mask over the
-        caches side by side). Each output equals `forward` of its window alone within float rounding."""
+        weights are read once), attention per session against its own cache (`joint_attention`: the caches side by
+        side, split back by session; the block-diagonal mask keeps a kernel that sees them all exact too). Each
+        output equals `forward` of its window alone within float rounding."""
         if len(windows) == 1:
             w = windows[0]
             return [self.forward(w.hidden, w.start_pos, w.cache, w.parents)]
@@ -253,6 +257,7 @@ class SpanModule(nn.Module):
             outside = torch.block_diag(*[torch.ones_like(m[0, 0], dtype=torch.bool) for m in blocks])
             masks[kind].masked_fill_(~outside, torch.finfo(hidden.dtype).min)
         caches = [w.cache for w in windows]
+        keys = [c.length + t for c, t in zip(caches, sizes, strict=True)]
         try:
             for w, t, tree in zip(windows, sizes, trees, strict=True):
                 w.cache.begin(t, tree)
@@ -260,7 +265,8 @@ class SpanModule(nn.Module):
             for c in caches:
                 c.abort()
             raise
-        out = self._run_layers(hidden, position_ids, masks, caches, JointCache(caches, sizes))
+        with joint_segments(sizes, keys):
+            out = self._run_layers(hidden, position_ids, masks, caches, JointCache(caches, sizes))
         return list(out.split(sizes, dim=1))
 
     def _check_window(

@@ -1,0 +1,69 @@
+"""Attention per session inside a joint step (`SpanModule.forward_many`): the layers see several sessions' caches
+side by side, and this kernel splits the step's queries and keys back into sessions so each attends over its own
+prefix only — as much work as each session's step alone, instead of every query row against every session's keys
+(which transformers' CPU attention also repeats per query head).
+
+A span's layers call it through transformers' attention registry under `dsd_sdpa` / `dsd_eager` (the family's own
+kernel, see `FamilyAdapter.attn_implementation`, prefixed): outside a joint step it is that kernel, unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+PREFIX = "dsd_"
+# (query rows, key positions) of each session in the joint step running in this thread, or None outside one.
+_SEGMENTS: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar("dsd_joint_segments", default=None)
+
+
+@contextmanager
+def joint_segments(rows: Sequence[int], keys: Sequence[int]) -> Iterator[None]:
+    """While open, this thread's attention splits queries by `rows` and keys by `keys`, session by session."""
+    token = _SEGMENTS.set(tuple(zip(rows, keys, strict=True)))
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
+
+
+def _kernel(base: str, module: torch.nn.Module) -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":  # each family's own (soft caps, scaling), in the module's modeling file
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _per_session(base: str) -> Any:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        kernel = _kernel(base, module)
+        segments = _SEGMENTS.get()
+        if segments is None:
+            return kernel(module, query, key, value, attention_mask, **kwargs)
+        outs, r, c = [], 0, 0
+        for rows, keys in segments:
+            mask = None if attention_mask is None else attention_mask[:, :, r : r + rows, c : c + keys]
+            out, _ = kernel(module, query[:, :, r : r + rows], key[:, :, c : c + keys], value[:, :, c : c + keys],
+                            mask, **kwargs)
+            outs.append(out)
+            r, c = r + rows, c + keys
+        return torch.cat(outs, dim=1), None
+
+    return attention
+
+
+def registered(base: str) -> str:
+    """The name of `base`'s per-session kernel in transformers' attention registry (registered on first use)."""
+    from transformers import AttentionInterface
+
+    name = PREFIX + base
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _per_session(base))
+    return name
