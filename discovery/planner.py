@@ -177,6 +177,11 @@ def _check_blocks(blocks: tuple[int, int] | None, num_layers: int) -> tuple[int,
     return start, end
 
 
+def reasons(blacklist: Iterable[str] | Mapping[str, str]) -> Mapping[str, str]:
+    """Peers to leave out, each with why: a mapping as it is, plain peers as "blacklisted"."""
+    return blacklist if isinstance(blacklist, Mapping) else dict.fromkeys(blacklist, "blacklisted")
+
+
 def _eligible(
     records: Iterable[PeerRecord],
     rtts: Mapping[str, float | None],
@@ -187,7 +192,7 @@ def _eligible(
 ) -> tuple[list[tuple[PeerRecord, float]], dict[str, str]]:
     """Peers that may serve some of `blocks` = [first, last) (with their RTTs), and why the others may not."""
     first, last = blocks
-    banned = blacklist if isinstance(blacklist, Mapping) else dict.fromkeys(blacklist, "blacklisted")
+    banned = reasons(blacklist)
     out: list[tuple[PeerRecord, float]] = []
     excluded: dict[str, str] = {}
     for rec in records:

@@ -16,7 +16,7 @@ import trio
 from .announce import fetch_records
 from .host import P2PNode
 from .ping import measure_rtt
-from .planner import NoRouteError, RoutePlan, plan_route
+from .planner import NoRouteError, RoutePlan, plan_route, reasons
 from .records import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ async def survey(
     see `planner.remote_blocks`); peers serving none of them are not probed.
     """
     first, last = (0, num_layers) if blocks is None else blocks
-    banned = blacklist if isinstance(blacklist, Mapping) else dict.fromkeys(blacklist, "blacklisted")
+    banned = reasons(blacklist)
     records = [r for r in await fetch_records(node, model, num_layers) if r.role == role]
     view = SwarmView(records)
     candidates = [r for r in records if r.peer_id not in banned and r.start < last and r.end > first]

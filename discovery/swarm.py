@@ -210,7 +210,6 @@ class SwarmWatch:
         for rec in view.records:
             if rec.peer_id not in self.records or rec.issued >= self.records[rec.peer_id].issued:
                 self.records[rec.peer_id] = rec
-        for rec in view.records:
             if view.rtts.get(rec.peer_id) is not None:
                 self.last_alive[rec.peer_id] = (rec, now)
         for peer, (_, seen) in list(self.last_alive.items()):

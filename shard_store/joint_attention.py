@@ -32,18 +32,15 @@ def joint_segments(rows: Sequence[int], keys: Sequence[int]) -> Iterator[None]:
         _SEGMENTS.reset(token)
 
 
-def _kernel(base: str, module: torch.nn.Module) -> Any:
+def _per_session(base: str) -> Any:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if base == "eager":  # each family's own (soft caps, scaling), in the module's modeling file
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[base]
+    shared = None if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
 
-
-def _per_session(base: str) -> Any:
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        kernel = _kernel(base, module)
+        # eager is each family's own (soft caps, scaling), in the module's modeling file
+        kernel = shared or sys.modules[type(module).__module__].eager_attention_forward
         segments = _SEGMENTS.get()
         if segments is None:
             return kernel(module, query, key, value, attention_mask, **kwargs)

@@ -96,6 +96,12 @@ class SpanWindow:
     parents: Sequence[int] | torch.Tensor | None = None
     keep: Sequence[int] | None = None
 
+    def commit_cache(self) -> None:
+        """Commit the cache's last window as `SpanModule.step` does first: keep the path `keep`, else truncate to
+        `commit` (None: leave the cache as it is)."""
+        if self.commit is not None:
+            self.cache.keep(self.commit, list(self.keep) if self.keep else [])
+
 
 class SpanModule(nn.Module):
     """Decoder layers [start, end): hidden states + positions + this span's KV cache -> hidden states."""
@@ -192,8 +198,7 @@ class SpanModule(nn.Module):
         What a block peer does with every `Forward`, and a head serving a span itself with every window.
         """
         with torch.inference_mode():
-            if commit is not None:
-                cache.keep(commit, list(keep) if keep else [])
+            SpanWindow(hidden, start_pos, cache, commit, parents, keep).commit_cache()
             return self(hidden, start_pos, cache, parents)
 
     def step_many(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor]:
@@ -202,8 +207,7 @@ class SpanModule(nn.Module):
         before any layer runs."""
         with torch.inference_mode():
             for w in windows:
-                if w.commit is not None:
-                    w.cache.keep(w.commit, list(w.keep) if w.keep else [])
+                w.commit_cache()
             return self.forward_many(windows)
 
     @torch.no_grad()

@@ -261,8 +261,7 @@ class Auditor:
             finally:
                 self._current = None
                 self._pending -= 1
-                if self._pending <= 0:
-                    self._pending = 0
+                if self._pending == 0:
                     self._drained.set()
 
     async def _audit(self, window: Audited) -> None:
@@ -324,7 +323,7 @@ class Auditor:
         for peer in silent:
             backoff = self.swarm.blacklist.add(peer, why="silent on an audit's replica route")
             log.warning("blacklisting %s for %.0f s: silent on an audit's replica route", short(peer), backoff)
-        late = isinstance(exc, trio.TooSlowError) or getattr(exc, "code", None) == "timeout" or "timed out" in str(exc)
+        late = isinstance(exc, trio.TooSlowError) or getattr(exc, "code", None) == "timeout"
         what = "missed its deadline" if late else "failed"
         why = f"; {', '.join(short(p) for p in silent)} silent, blacklisted" if silent else f": {exc}"
         self.ledger.skip(f"the replica route {what}{why}")

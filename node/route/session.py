@@ -149,7 +149,8 @@ class RouteSession:
                 if leg_stream is not None:
                     self.traffic.watch(leg_stream)
         except trio.TooSlowError as exc:
-            raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id) from exc
+            raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id,
+                             code="timeout") from exc
         except (EOFError, ProtocolError, OSError) as exc:
             raise RouteError(f"opening the route failed: {exc!r}", peer=first.peer_id) from exc
 

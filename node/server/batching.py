@@ -39,7 +39,6 @@ class Job:
     alone: Callable[[], np.ndarray] | None = None
     ahead: bool = False  # sent on a bet: no head waits on it yet
     passed: int = 0  # steps that ran while it waited (a window sent ahead is promoted after AHEAD_PATIENCE)
-    queued_at: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event)
     rows: np.ndarray | None = None
     error: BaseException | None = None
@@ -55,12 +54,11 @@ class Batcher:
     """The span's steps: `run` a job and get its rows (see the module doc); `compute` is the limiter every step
     holds (the peer's throughput probe and shutdown hold it too)."""
 
-    def __init__(self, options: BatchOptions | None = None, compute: trio.CapacityLimiter | None = None) -> None:
+    def __init__(self, options: BatchOptions | None = None) -> None:
         self.options = options or BatchOptions()
-        self.compute = compute or trio.CapacityLimiter(1)
+        self.compute = trio.CapacityLimiter(1)
         self._waiting: list[Job] = []
         self.steps = 0
-        self.batched_windows = 0  # windows that ran in a step with others
 
     async def run(self, job: Job) -> np.ndarray:
         """Queue `job`, take part in the steps until it has run; its output rows [tokens, hidden] as float32."""
@@ -117,8 +115,7 @@ class Batcher:
                             self._forward(job)
                     else:
                         for job, out in zip(ready, outs, strict=True):
-                            job.rows = _rows(out)
-                        self.batched_windows += len(ready)
+                            job.rows = cpu_rows(out)
                 else:
                     for job in ready:
                         self._forward(job)
@@ -136,9 +133,7 @@ class Batcher:
             if job.alone is not None:
                 job.rows = job.alone()
                 return False
-            w = job.window
-            if w.commit is not None:
-                w.cache.keep(w.commit, list(w.keep) if w.keep else [])
+            job.window.commit_cache()
             return True
         except Exception as exc:
             job.error = exc
@@ -148,11 +143,11 @@ class Batcher:
     def _forward(job: Job) -> None:
         try:
             w = job.window
-            job.rows = _rows(job.span.forward(w.hidden, w.start_pos, w.cache, w.parents))
+            job.rows = cpu_rows(job.span.forward(w.hidden, w.start_pos, w.cache, w.parents))
         except Exception as exc:
             job.error = exc
 
 
-def _rows(out: torch.Tensor) -> np.ndarray:
+def cpu_rows(out: torch.Tensor) -> np.ndarray:
     """A step's output [1, tokens, hidden] as float32 rows on the CPU (they cross the wire from there)."""
     return out[0].to("cpu").to(torch.float32).numpy()

@@ -49,7 +49,7 @@ from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import SpanModule, SpanWindow, Store
 from dsd.shard_store.dtypes import dtype_name
 
-from .batching import Batcher, BatchOptions, Job
+from .batching import Batcher, BatchOptions, Job, cpu_rows
 from .faults import Fault, FaultySession
 from .ledger import (
     Ledger,
@@ -129,8 +129,7 @@ class BlockServer:
         self.sessions: dict[tuple[str, int], Session] = {}
         self.ledger = Ledger(self.limits, "peer")
         self._subspans: dict[tuple[int, int], SpanModule] = {(start, end): self.span}
-        self.batcher = Batcher(batching)
-        self._compute = self.batcher.compute  # one step at a time; shutdown and the throughput probe hold it too
+        self.batcher = Batcher(batching)  # one step at a time: shutdown and the throughput probe hold its limiter too
         self.windows_served = 0
         self.closing = False
         self.throughput = 1.0
@@ -168,7 +167,7 @@ class BlockServer:
         commit: int | None = None, keep: tuple[int, ...] | None = None,
     ) -> np.ndarray:
         out = span.step(torch.from_numpy(hidden).unsqueeze(0), start_pos, cache, commit=commit, parents=parents, keep=keep)
-        return out[0].to("cpu").to(torch.float32).numpy()  # cross in the compute dtype, widen on the CPU
+        return cpu_rows(out)  # cross in the compute dtype, widen on the CPU
 
     def _window(self, session: Session, hidden: np.ndarray, msg: Forward, commit: int | None) -> np.ndarray:
         """The rows one window sends down: the span's output, or a faulty peer's lie (after the same honest step)."""
@@ -186,7 +185,7 @@ class BlockServer:
         def step(i: int) -> None:
             self._run_span(self.span, hidden, i * tokens, cache)
 
-        self.throughput = await measure_throughput(step, self._compute, tokens=tokens, repeats=repeats)
+        self.throughput = await measure_throughput(step, self.batcher.compute, tokens=tokens, repeats=repeats)
         return self.throughput
 
     # --- protocol ---------------------------------------------------------
@@ -328,7 +327,7 @@ class BlockServer:
         """Refuse new sessions, let windows being computed finish, then end every session with an error."""
         self.closing = True
         with trio.move_on_after(deadline_s):
-            async with self._compute:  # waits for the window in the worker thread, if any
+            async with self.batcher.compute:  # waits for the window in the worker thread, if any
                 pass
         for session in list(self.sessions.values()):
             session.scope.cancel()

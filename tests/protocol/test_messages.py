@@ -199,6 +199,20 @@ def test_newer_minor_unknown_fields_are_ignored() -> None:
     assert msg == Forward("s", 3, 10, 8, encode_tensor(np.ones((2, 4), np.float32), "raw"))
 
 
+def test_a_window_sent_ahead_says_so_and_one_that_is_not_reads_as_before() -> None:
+    """`Forward.ahead` (a window sent on a bet): on the wire only when set, so older peers read every window the
+    same; a frame without it decodes as not ahead."""
+    hidden = encode_tensor(np.ones((2, 4), np.float32), "raw")
+    assert "ahead" not in Forward("s", 3, 10, 8, hidden).to_wire()
+    body = Forward("s", 3, 10, 8, hidden, ahead=True).to_wire()
+    assert body["ahead"] is True
+    (msg,) = FrameDecoder().feed(raw_frame(body))
+    assert isinstance(msg, Forward) and msg.ahead
+    del body["ahead"]
+    (msg,) = FrameDecoder().feed(raw_frame(body))
+    assert isinstance(msg, Forward) and not msg.ahead
+
+
 @pytest.mark.parametrize("version", ["2.0", "0.9", "17.1"])
 def test_unknown_major_version_is_refused(version: str) -> None:
     body = Ack("s", 1).to_wire()
@@ -223,6 +237,7 @@ def test_unknown_major_version_is_refused(version: str) -> None:
         ({"hidden": {"dtype": "float32", "shape": [1], "codec": "int4", "zstd": False, "data": b"\0"}}, "Forward.hidden.codec"),
         ({"hidden": {"dtype": "float32", "shape": [1 << 30], "codec": "raw", "zstd": True, "data": b"x"}}, "Forward.hidden.shape[0]"),
         ({"type": "launch_missiles"}, "type"),
+        ({"ahead": 1}, "Forward.ahead"),
     ],
 )
 def test_bad_fields_are_named(patch: dict, field: str) -> None:
