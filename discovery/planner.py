@@ -10,7 +10,9 @@ head sends to h1, each hop forwards to the next, hN returns to the head):
   compute at a hop serving b of its n announced blocks = window_tokens * b / (n * throughput)
     (throughput is tokens/s through the peer's whole span);
   + hop_overhead_s per hop, + a low-cache penalty growing linearly from 0 at
-    `cache_headroom_tokens` free tokens to `low_cache_penalty_s` at none.
+    `cache_headroom_tokens` free tokens to `low_cache_penalty_s` at none,
+  + the wait for the work already on the peer (`PeerRecord.wait_s`, from the load it announces),
+    so of two replicas the less loaded one is preferred.
 
 Every term depends only on (peer, first block, last block) of a hop, so the cheapest
 route is a shortest path over block boundaries 0..num_layers (Dijkstra, as Petals does);
@@ -116,7 +118,7 @@ class RoutePlan:
         return {
             "links_s": sum(h.link_in_s + h.link_out_s for h in self.hops),
             "compute_s": sum(h.compute_s for h in self.hops),
-            "overhead_and_penalty_s": sum(h.penalty_s for h in self.hops),
+            "overhead_and_penalty_s": sum(h.penalty_s for h in self.hops),  # hop overheads, low cache, load
         }
 
     def explain(self) -> str:
@@ -256,7 +258,8 @@ def plan_route(
         link_out = one_way if e == last else one_way / 2
         compute = window_tokens * (e - s) / (rec.num_blocks * rec.throughput)
         frac = max(0.0, 1.0 - rec.cache_tokens_left / cache_headroom_tokens) if cache_headroom_tokens > 0 else 0.0
-        return RouteHop(rec, s, e, link_in, compute, low_cache_penalty_s * frac + hop_overhead_s, link_out)
+        penalty = low_cache_penalty_s * frac + hop_overhead_s + rec.wait_s
+        return RouteHop(rec, s, e, link_in, compute, penalty, link_out)
 
     # Dijkstra over block boundaries; label = (cost in ns, hops) compared with a tie tolerance.
     best: dict[int, tuple[float, int]] = {first: (0.0, 0)}

@@ -91,6 +91,12 @@ class PeerRecord:
     topk_cap: int | None = None  # federated workers only: largest K it returns
     manifest_sha256: str | None = None  # sha256 of the served store's manifest.json (shard transfer's trust root)
     reachability: str = "unknown"  # public | private (reached through the relays in addrs) | unknown
+    # Load over the last seconds (block peers; 0 from peers older than the fields): the share of the time the span
+    # computed, mean rows per step, rows served per second, rows waiting when the record was made.
+    busy: float = 0.0
+    batch_rows: float = 0.0
+    rows_per_s: float = 0.0
+    queued_rows: int = 0
 
     def __post_init__(self) -> None:
         _check_str("peer_id", self.peer_id)
@@ -125,12 +131,28 @@ class PeerRecord:
                     _check_int(name, value, lo=1)
         if self.reachability not in REACHABILITY:
             raise RecordError(f"record field reachability must be one of {REACHABILITY}, got {self.reachability!r:.40}")
+        for name in ("busy", "batch_rows", "rows_per_s"):
+            value = getattr(self, name)
+            _check_time(name, value)
+            if value < 0 or (name == "busy" and value > 1):
+                raise RecordError(f"record field {name} must be >= 0{' and <= 1' if name == 'busy' else ''}, "
+                                  f"got {value!r}")
+        _check_int("queued_rows", self.queued_rows)
         if self.manifest_sha256 is not None and not _is_sha256(self.manifest_sha256):
             raise RecordError(f"record field manifest_sha256 must be 64 lowercase hex characters, got {self.manifest_sha256!r:.80}")
 
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds a window arriving now is expected to wait for the work in progress: with the span busy a share
+        `busy` of the time, a mean step of busy · batch_rows / rows_per_s seconds (half of it left on arrival, and
+        the step it joins about as much longer)."""
+        if self.rows_per_s <= 0:
+            return 0.0
+        return self.busy * (self.busy * self.batch_rows / self.rows_per_s)
 
     def live(self, now: float | None = None) -> bool:
         """True while the record has not expired (a withdrawn record has expires <= issued)."""
@@ -146,6 +168,9 @@ class PeerRecord:
             del d["reachability"]
         if not d["codec"]:
             del d["codec"]
+        for name in ("busy", "batch_rows", "rows_per_s", "queued_rows"):
+            if not d[name]:  # an idle peer's record reads the same to peers that predate the load fields
+                del d[name]
         return d
 
     @classmethod
@@ -157,7 +182,7 @@ class PeerRecord:
         if not isinstance(known.get("addrs"), (list, tuple)):
             raise RecordError("record field addrs must be a list of strings")
         known["addrs"] = tuple(known["addrs"])
-        for name in ("throughput", "expires", "issued"):
+        for name in ("throughput", "expires", "issued", "busy", "batch_rows", "rows_per_s"):
             if isinstance(known.get(name), int) and not isinstance(known.get(name), bool):
                 known[name] = float(known[name])
         try:

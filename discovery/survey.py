@@ -59,6 +59,8 @@ class SwarmView:
                 "version": r.version,
                 "dtype": r.dtype,
                 "cache_tokens_left": r.cache_tokens_left,
+                "load": {"busy": r.busy, "batch_rows": r.batch_rows, "rows_per_s": r.rows_per_s,
+                         "queued_rows": r.queued_rows},
                 "expires": r.expires,
             }
             for r in sorted(self.records, key=lambda r: (r.start, r.end, r.peer_id))

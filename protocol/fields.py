@@ -9,6 +9,7 @@ from typing import Any
 
 from .checks import (
     check_bytes,
+    check_float,
     check_ident,
     check_int,
     check_opt_int,
@@ -66,6 +67,11 @@ def _flag(v: Any, f: str, lim: Limits) -> bool:
     if not isinstance(v, bool):
         raise ProtocolError(f"must be true or false, got {type(v).__name__}", f, BAD_REQUEST)
     return v
+
+
+def _load(v: Any, f: str, lim: Limits) -> float:
+    """A route's load so far: each hop adds its share in [0, 1] (docs/batching.md)."""
+    return float(check_float(v, f, 0.0, float(lim.max_route)))
 
 
 def _nonce(v: Any, f: str, lim: Limits) -> int:

@@ -25,6 +25,7 @@ from .fields import (
     _Field,
     _flag,
     _idents,
+    _load,
     _name,
     _nonce,
     _opt_pos,
@@ -258,6 +259,8 @@ class Forward(Message):
     nodes of the previous window, root first: the peers keep those rows after `commit` instead of
     truncating to it, so then start = commit + len(keep). `ahead` marks a window the head sent on a bet,
     before the result it follows (no head is blocked on it yet: a busy peer runs blocked windows first).
+    `load`: the load of the hops it has passed so far, each adding its own (what one more row of this session
+    costs the other sessions there, in their tokens); the last hop's `Result` carries the route's sum.
     """
 
     TYPE: ClassVar[str] = "forward"
@@ -269,6 +272,7 @@ class Forward(Message):
         _tensor_field("hidden"),
         *_tree_fields(),
         _Field("ahead", _flag, optional=True, omit_default=True),
+        _Field("load", _load, optional=True, omit_default=True),
     )
     session: str
     epoch: int
@@ -278,6 +282,7 @@ class Forward(Message):
     parents: tuple[int, ...] | None = None
     keep: tuple[int, ...] | None = None
     ahead: bool = False
+    load: float = 0.0
 
     def _check_more(self, limits: Limits, prefix: str) -> None:
         shape = self.hidden.shape
@@ -290,7 +295,8 @@ class Forward(Message):
 
 @dataclass(frozen=True)
 class Result(Message):
-    """The last span's output hidden states for the window at `start`, sent back to the head."""
+    """The last span's output hidden states for the window at `start`, sent back to the head; `load`: the route's
+    (see `Forward`)."""
 
     TYPE: ClassVar[str] = "result"
     FIELDS: ClassVar[tuple[_Field, ...]] = (
@@ -298,11 +304,13 @@ class Result(Message):
         _Field("epoch", _epoch),
         _Field("start", _pos),
         _tensor_field("hidden"),
+        _Field("load", _load, optional=True, omit_default=True),
     )
     session: str
     epoch: int
     start: int
     hidden: WireTensor
+    load: float = 0.0
 
 
 @dataclass(frozen=True)

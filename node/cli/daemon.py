@@ -195,12 +195,12 @@ def print_route_report(report: dict) -> None:
 
     console = Console()
     table = Table(title=f"peers serving {report['model']} ({report['num_layers']} layers)")
-    for col in ("peer", "blocks", "throughput", "RTT ms", "reachability", "link", "cache left", "version"):
+    for col in ("peer", "blocks", "throughput", "RTT ms", "reachability", "link", "cache left", "busy", "version"):
         table.add_column(col)
     for p in report["peers"]:
         table.add_row(p["peer_id"][-12:], f"{p['start']}:{p['end']}", f"{p['throughput']:.1f}",
                       "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}", p["reachability"], p["link"] or "-",
-                      str(p["cache_tokens_left"]), str(p["version"]))
+                      str(p["cache_tokens_left"]), f"{p['load']['busy']:.0%}", str(p["version"]))
     console.print(table)
     cover = report["coverage"]
     console.print("coverage: " + " ".join(str(c) if c else "[red]0[/red]" for c in cover))

@@ -69,6 +69,7 @@ class TargetBackend:
 
     capabilities = Capabilities()
     replays = 0
+    load = 0.0  # what one more row costs the others sharing the target, in their tokens (a route's peers say)
 
     async def submit(
         self, tokens: Sequence[int], *, start: int, commit: int, epoch: int,

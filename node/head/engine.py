@@ -271,7 +271,7 @@ class HeadEngine:
             tail_bets = self._bets_of(tail)
             main = tail_bets.main
             if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
-                    and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main):
+                    and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main, gamma_next):
                 if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not tail_bets.is_dead(main):
                     await self.drafting.predraft(tail_bets, gamma_next, arrived, None, main_only=True)
                     continue
@@ -312,9 +312,11 @@ class HeadEngine:
         """Tokens produced once `window`'s outcome is in, if every window before it is wholly accepted."""
         return produced + len(window.context) - len(flight.context) + window.drafts.depth + 1
 
-    def _worth_sending(self, tail: _Flight, main: Branch) -> bool:
-        """A window goes ahead only if its bet is likely: as the draft rates it, or as the measured acceptance does."""
-        return max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1)) >= self.cfg.ahead_min
+    def _worth_sending(self, tail: _Flight, main: Branch, gamma: int) -> bool:
+        """A window goes ahead only if its bet is likely (as the draft rates it, or as the measured acceptance does)
+        and, on a loaded route, pays for the rows it takes from the others (`WindowController.worth_ahead`)."""
+        p_win = max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1))
+        return p_win >= self.cfg.ahead_min and self.window.worth_ahead(p_win, gamma)
 
     def _went_on(self, tally: GenerationResult, flight: _Flight) -> None:
         """The outcome matched the window sent ahead of it: count a ready round and the drafting it used."""
@@ -341,6 +343,8 @@ class HeadEngine:
 
     def _count(self, tally: GenerationResult, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
+        self.window.observe_load(self.backend.load)
+        tally.route_loads.append(self.backend.load)
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
             return

@@ -14,6 +14,18 @@ Model (per round, i.i.d. acceptance α per draft token, estimated online):
     γ*    = argmax_{γ_min ≤ γ ≤ min(γ_max, γ_use)} E(γ) / T(γ)     (smallest γ on ties)
     γ_use = smallest γ with α^γ < θ            (deeper tokens are almost never reached)
 
+Load (a route of block peers shared with other heads). Every result carries the route's load L: what one more
+row of this generation costs the other sessions on its peers, in their tokens (each peer's share measured from its
+own steps, `dsd.node.server.load`, summed over the hops). A drafted row is worth its chance of acceptance minus
+that cost, so under load the controller maximizes
+
+    net(γ) = (E(γ) − L·γ) / T(γ)          over 0 ≤ γ (a window of no drafts is an `ar` step)
+
+and a window is sent ahead on a bet won with probability p only if p·E(γ) ≥ (1 − p)·(γ + 1)·L (a lost bet's
+rows were taken from the others for nothing). With L = 0 (no one else on the route's peers) both rules are the
+ones above; as L grows towards α the windows narrow, bets stop, and at L ≥ α no drafts are sent: the swarm's
+useful throughput in `dsd` stays at or above `ar`'s. Trees are planned with the same net gain.
+
 a and b are a least-squares fit over the last rounds' (tokens, round time)
 pairs (b clamped to [0, mean R / mean tokens]; b = 0 until the window sizes
 seen vary), d = measured drafting time per token (EWMA); α = EWMA(accepted) / EWMA(trials), where a round with k accepted
@@ -107,6 +119,7 @@ class WindowController:
         # Weighted counts of the target's token being the draft's k-th choice: [beyond K, rank 1, .., rank K].
         self._ranks = [(1.0 - prior_alpha) * prior_weight, prior_alpha * prior_weight] + [0.0] * (tree_ranks - 1)
         self._layer_s: float | None = None  # seconds per batched draft layer of a tree (EWMA)
+        self.load = 0.0  # the route's latest load L (see the module doc)
 
     @property
     def alpha(self) -> float:
@@ -209,6 +222,20 @@ class WindowController:
         """Smoothed share of ready windows (None before any observation)."""
         return self._ready
 
+    def observe_load(self, load: float) -> None:
+        """Record the load the route reported with its latest result (already averaged by its peers)."""
+        if not math.isfinite(load) or load < 0:
+            raise ValueError(f"load must be a finite number >= 0, got {load!r}")
+        self.load = load
+
+    def worth_ahead(self, p_win: float, gamma: int) -> bool:
+        """Whether a window of γ drafts sent ahead on a bet won with probability `p_win` pays for its rows under
+        the route's load: p·E(γ) ≥ (1 − p)·(γ + 1)·L (always true without load)."""
+        if self.load <= 0:
+            return True
+        p = min(max(p_win, 0.0), 1.0)
+        return p * self.expected_tokens(self.alpha, gamma) >= (1.0 - p) * (gamma + 1) * self.load
+
     def round_model(self) -> tuple[float, float]:
         """(a, b) of R(γ) = a + b·(γ+1), fitted on recent rounds; b = 0 while window sizes have not varied."""
         r = self._round_s or 0.0
@@ -253,11 +280,13 @@ class WindowController:
         else:
             use_cap = math.ceil(math.log(self.useful_threshold) / math.log(alpha))
         hi = max(self.gamma_min, min(self.gamma_max, use_cap))
-        best_g, best_rate = self.gamma_min, -1.0
-        for g in range(self.gamma_min, hi + 1):
+        lo = 0 if self.load > 0 else self.gamma_min
+        best_g, best_rate = lo, None
+        for g in range(lo, hi + 1):
             t = self._round_time(g)
-            rate = self.expected_tokens(alpha, g) / t if t > 0 else float(g)
-            if rate > best_rate * (1.0 + 1e-9):
+            net = self.expected_tokens(alpha, g) - self.load * g
+            rate = net / t if t > 0 else net
+            if best_rate is None or rate > best_rate + 1e-9 * abs(best_rate):
                 best_g, best_rate = g, rate
         return best_g
 
@@ -293,7 +322,8 @@ class WindowController:
         d = self._draft_s
         layer = self._layer_s if self._layer_s is not None else d
         t_chain = (self.expected_round_s(gamma) or 0.0) + gamma * d
-        chain_rate = self.expected_tokens(self.alpha, gamma) / t_chain if t_chain > 0 else float(gamma + 1)
+        chain_net = self.expected_tokens(self.alpha, gamma) - self.load * gamma
+        chain_rate = chain_net / t_chain if t_chain > 0 else chain_net
         best, best_rate, gain, deepest, branched = (0, 0), chain_rate, 1.0, 0, False
         for n, (value, depth, chain) in enumerate(
             self.tree_values(self.rank_probs, cap, depth_cap, self.useful_threshold), start=1
@@ -302,7 +332,8 @@ class WindowController:
             deepest = max(deepest, depth)
             branched = branched or not chain
             t = (self.expected_round_s(n) or 0.0) + deepest * layer
-            rate = gain / t if t > 0 else float(n + 1)
-            if branched and rate > best_rate * (1.0 + 1e-9):
+            net = gain - self.load * n
+            rate = net / t if t > 0 else net
+            if branched and rate > best_rate + 1e-9 * abs(best_rate):
                 best, best_rate = (n, deepest), rate
         return best

@@ -142,6 +142,7 @@ class RouteBackend(TargetBackend):
         was replaced meanwhile."""
         msg = await self.client.receive(epoch=epoch, timeout=self.timeout_s)
         start, hidden = msg.start, decode_tensor(msg.hidden)
+        self.load = msg.load
         if self.auditor is not None:
             self._offer_audit(self.auditor, msg.epoch, start, hidden)
         if self.local is None or self._local_first:

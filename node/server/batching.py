@@ -25,6 +25,7 @@ import trio
 from dsd.shard_store import SpanModule, SpanWindow
 
 from .limits import BatchOptions
+from .load import LoadMeter, LoadReport
 
 AHEAD_PATIENCE = 2  # steps a window sent ahead may be passed by blocked ones before it counts as blocked itself
 
@@ -38,6 +39,7 @@ class Job:
     window: SpanWindow
     alone: Callable[[], np.ndarray] | None = None
     ahead: bool = False  # sent on a bet: no head waits on it yet
+    owner: str = ""  # the session it belongs to (the load meter counts rows per session)
     passed: int = 0  # steps that ran while it waited (a window sent ahead is promoted after AHEAD_PATIENCE)
     done: trio.Event = field(default_factory=trio.Event)
     rows: np.ndarray | None = None
@@ -52,13 +54,22 @@ class Job:
 
 class Batcher:
     """The span's steps: `run` a job and get its rows (see the module doc); `compute` is the limiter every step
-    holds (the peer's throughput probe and shutdown hold it too)."""
+    holds (the peer's throughput probe and shutdown hold it too); `meter` measures the load from the steps."""
 
     def __init__(self, options: BatchOptions | None = None) -> None:
         self.options = options or BatchOptions()
         self.compute = trio.CapacityLimiter(1)
+        self.meter = LoadMeter()
         self._waiting: list[Job] = []
         self.steps = 0
+
+    def load(self, session: str) -> float:
+        """What one more row of `session` costs the other sessions on this span now (`LoadMeter.load`)."""
+        return self.meter.load(session)
+
+    def report(self) -> LoadReport:
+        """The span's recent load, with the rows waiting now (for the record)."""
+        return self.meter.report(queued_rows=sum(job.tokens for job in self._waiting))
 
     async def run(self, job: Job) -> np.ndarray:
         """Queue `job`, take part in the steps until it has run; its output rows [tokens, hidden] as float32."""
@@ -120,11 +131,18 @@ class Batcher:
                     for job in ready:
                         self._forward(job)
         finally:
-            seconds = time.perf_counter() - t0
-            self.steps += 1
-            for job in batch:
-                job.seconds, job.batch = seconds, len(batch)
-                trio.from_thread.run_sync(job.done.set)
+            trio.from_thread.run_sync(self._finish, batch, time.perf_counter() - t0)
+
+    def _finish(self, batch: Sequence[Job], seconds: float) -> None:
+        """In trio's thread: count the step, let the meter see it, wake its jobs."""
+        self.steps += 1
+        rows: dict[str, int] = {}
+        for job in batch:
+            rows[job.owner] = rows.get(job.owner, 0) + job.tokens
+        self.meter.observe(seconds, rows)
+        for job in batch:
+            job.seconds, job.batch = seconds, len(batch)
+            job.done.set()
 
     @staticmethod
     def _commit(job: Job) -> bool:

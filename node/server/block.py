@@ -30,6 +30,7 @@ from dsd.discovery.framing import FramedStream, LinkError, close_quietly, send_q
 from dsd.discovery.host import P2PNode
 from dsd.discovery.records import PeerRecord
 from dsd.protocol import (
+    DEFAULT_LIMITS,
     Ack,
     CloseSession,
     Error,
@@ -149,11 +150,14 @@ class BlockServer:
         return self.ledger.reserved_tokens
 
     def records(self) -> list[PeerRecord]:
-        """This span as announced in the DHT (called at every refresh, so free cache stays current)."""
+        """This span as announced in the DHT (called at every refresh, so free cache and load stay current)."""
+        load = self.batcher.report()
         return [PeerRecord(
             peer_id=self.node.peer_id, addrs=tuple(self.node.addrs), model=self.model_id, start=self.start,
             end=self.end, role="block", throughput=float(self.throughput), version=software_version(),
             dtype=self.dtype_name, codec=self.wire.codec, cache_tokens_left=int(self.cache_tokens_left),
+            busy=round(load.busy, 4), batch_rows=round(load.batch_rows, 3), rows_per_s=round(load.rows_per_s, 3),
+            queued_rows=load.queued_rows,
         )]
 
     def kv_lengths(self) -> dict[str, int]:
@@ -406,16 +410,17 @@ class BlockServer:
         window = SpanWindow(torch.from_numpy(hidden).unsqueeze(0), msg.start, session.cache, commit, msg.parents,
                             msg.keep)
         lie = None if session.lies is None else partial(self._window, session, hidden, msg, commit)
-        job = Job(session.span, window, alone=lie, ahead=msg.ahead)
+        job = Job(session.span, window, alone=lie, ahead=msg.ahead, owner=session.id)
         out = await self.batcher.run(job)
-        self.metrics.observe_forward(hidden.shape[0], job.seconds, job.batch)
+        self.metrics.observe_forward(hidden.shape[0], job.seconds, job.batch, msg.ahead)
         session.windows += 1
         self.windows_served += 1
         wire = self.wire.encode(out)
+        load = min(msg.load + self.batcher.load(session.id), float(DEFAULT_LIMITS.max_route))
         reply: Message = (
-            Result(session.id, msg.epoch, msg.start, wire)  # a row per node, in window order
+            Result(session.id, msg.epoch, msg.start, wire, load)  # a row per node, in window order
             if session.last_hop
-            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire, msg.parents, msg.keep, msg.ahead)
+            else Forward(session.id, msg.epoch, msg.start, msg.commit, wire, msg.parents, msg.keep, msg.ahead, load)
         )
         await self._send_down(session, reply)
 

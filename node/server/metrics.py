@@ -75,6 +75,8 @@ class PeerMetrics:
                                  registry=r)
         self.step_windows = Histogram("dsd_peer_step_windows", "Windows (of different sessions) one compute step "
                                       "ran together, per window: 1 = alone", buckets=(1, 2, 4, 8, 16, 32), registry=r)
+        self.windows_ahead = Counter("dsd_peer_windows_ahead", "Windows a head sent ahead on a bet (run after "
+                                     "the windows heads wait on)", registry=r)
         self.sessions_open = Gauge("dsd_peer_sessions_open", "Sessions holding a place on this peer", registry=r)
         self.kv_reserved = Gauge("dsd_peer_kv_tokens_reserved", "KV cache tokens reserved by open sessions "
                                  "(their max_len)", registry=r)
@@ -101,10 +103,12 @@ class PeerMetrics:
         """An Error frame of `code` this peer sent (a bad opening, a session ended by an error)."""
         self.errors.labels(code=code).inc()
 
-    def observe_forward(self, tokens: int, seconds: float, batch: int = 1) -> None:
-        """One window's step: its compute time and how many windows that step ran together."""
+    def observe_forward(self, tokens: int, seconds: float, batch: int = 1, ahead: bool = False) -> None:
+        """One window's step: its compute time, how many windows that step ran together, whether it was sent ahead."""
         self.forward.labels(window=window_bucket(tokens)).observe(seconds)
         self.step_windows.observe(batch)
+        if ahead:
+            self.windows_ahead.inc()
 
     def track(self, stream: FramedStream) -> None:
         """Count the bytes `stream` moves until `untrack` (call that in a `finally`)."""

@@ -48,6 +48,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
             "version": p["version"], "dtype": p["dtype"], "alive": alive, "in_route": p["peer_id"] in route,
             "last_seen_unix": seen, "state": "alive" if alive else "unreachable",
             "reachability": p.get("reachability", "unknown"), "link": p.get("link"), "banned": p["peer_id"] in banned,
+            "load": p.get("load"),
         })
     listed = {p["peer_id"] for p in peers}
     for peer_id, (rec, seen) in sorted(state.swarm.last_alive.items(), key=lambda kv: (kv[1][0].start, kv[0])):
@@ -57,7 +58,7 @@ def _peers(state: ServiceState, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "throughput": rec.throughput, "rtt_ms": None, "cache_tokens_left": rec.cache_tokens_left,
                 "version": rec.version, "dtype": rec.dtype, "alive": False, "in_route": False,
                 "last_seen_unix": seen, "state": "gone", "reachability": rec.reachability, "link": None,
-                "banned": peer_id in banned,
+                "banned": peer_id in banned, "load": None,
             })
     return peers
 

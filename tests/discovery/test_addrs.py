@@ -42,3 +42,15 @@ def test_reachability_travels_in_the_signed_record_and_is_checked() -> None:
     assert "reachability" not in PeerRecord(peer_id_of(kp), (), "m", 0, 2).to_dict()  # unknown: old wire form
     with pytest.raises(RecordError, match="reachability"):
         PeerRecord(peer_id_of(kp), (), "m", 0, 2, reachability="behind a NAT")
+
+
+def test_load_travels_in_the_signed_record_is_left_off_when_idle_and_is_checked() -> None:
+    kp = create_new_key_pair()
+    rec = PeerRecord(peer_id_of(kp), (), "m", 0, 2, busy=0.75, batch_rows=6.5, rows_per_s=40.0, queued_rows=12)
+    back = verify_record(sign_record(rec, kp))
+    assert (back.busy, back.batch_rows, back.rows_per_s, back.queued_rows) == (0.75, 6.5, 40.0, 12)
+    idle = PeerRecord(peer_id_of(kp), (), "m", 0, 2).to_dict()
+    assert not {"busy", "batch_rows", "rows_per_s", "queued_rows"} & set(idle)  # an idle peer's old wire form
+    for bad in ({"busy": 1.5}, {"busy": float("nan")}, {"rows_per_s": -1.0}, {"queued_rows": -3}):
+        with pytest.raises(RecordError, match=next(iter(bad))):
+            PeerRecord(peer_id_of(kp), (), "m", 0, 2, **bad)

@@ -208,3 +208,20 @@ def test_plan_over_a_range_is_optimal_against_brute_force() -> None:
                     total += 8 * (e - s) / (r.num_blocks * r.throughput) + 0.0005
                 best = min(best, total)
         assert plan.est_round_s == pytest.approx(best, abs=1e-8)
+
+
+def loaded(pid: str, start: int, end: int, busy: float, batch_rows: float, rows_per_s: float) -> PeerRecord:
+    return PeerRecord(pid, (f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), "m", start, end, throughput=1000.0,
+                      cache_tokens_left=100_000, expires=2e9, issued=1e9, busy=busy, batch_rows=batch_rows,
+                      rows_per_s=rows_per_s)
+
+
+def test_of_two_replicas_the_less_loaded_one_is_preferred_by_its_expected_wait() -> None:
+    # same span, same speed, the busy one 2 ms nearer: its queue (90 % busy, 8-row steps at 100 rows/s) costs more
+    recs = [loaded("busy", 0, 8, 0.9, 8.0, 100.0), loaded("idle", 0, 8, 0.05, 1.0, 10.0)]
+    assert recs[0].wait_s == pytest.approx(0.9 * 0.9 * 8 / 100)
+    plan = plan_route(recs, {"busy": 0.008, "idle": 0.010}, 8)
+    assert spans(plan) == [("idle", 0, 8)]
+    assert plan.breakdown()["overhead_and_penalty_s"] == pytest.approx(0.0005 + 0.05 * 0.05 * 1 / 10)
+    quiet = [loaded("busy", 0, 8, 0.0, 0.0, 0.0), recs[1]]  # the same peer idle again: nearness wins
+    assert spans(plan_route(quiet, {"busy": 0.008, "idle": 0.010}, 8)) == [("busy", 0, 8)]

@@ -156,3 +156,43 @@ def test_round_time_matches_a_hand_computed_case() -> None:
     plain = WindowController(overlap=False)
     plain.observe(gamma=4, accepted=4, draft_s_per_token=0.05, round_s=0.2)
     assert abs(plain._round_time(g) - (r + g * d)) < 1e-12
+
+
+def playing(alpha: float, rounds: int = 60, seed: int = 3) -> WindowController:
+    """A controller that has seen `rounds` windows with per-draft acceptance `alpha` (50 ms trips, 5 ms drafts)."""
+    rng = random.Random(seed)
+    wc = WindowController(gamma_max=12, initial=4)
+    for _ in range(rounds):
+        g = max(1, wc.next_gamma())
+        k = 0
+        while k < g and rng.random() < alpha:
+            k += 1
+        wc.observe(gamma=g, accepted=k, draft_s_per_token=0.005, round_s=0.05 + 0.004 * (g + 1))
+    return wc
+
+
+def test_the_routes_load_narrows_windows_and_at_the_acceptance_rate_stops_drafting() -> None:
+    wc = playing(0.8)
+    free = wc.next_gamma()
+    assert free >= 3 and wc.load == 0.0
+    gammas = []
+    for load in (0.0, 0.2, 0.5, 0.7, wc.alpha, 1.0, 3.0):
+        wc.observe_load(load)
+        gammas.append(wc.next_gamma())
+    assert gammas[0] == free  # no load: the rule without it
+    assert gammas == sorted(gammas, reverse=True) and gammas[2] < free, gammas  # narrower as the load grows
+    assert gammas[-3:] == [0, 0, 0], gammas  # a row that costs the others more than it is likely to be worth: none
+    wc.observe_load(0.0)
+    assert wc.next_gamma() == free  # the load gone: back at once
+    with pytest.raises(ValueError, match="load"):
+        wc.observe_load(float("nan"))
+
+
+def test_a_bet_goes_ahead_under_load_only_if_its_chance_pays_for_its_rows() -> None:
+    wc = playing(0.8)
+    assert wc.worth_ahead(0.05, 4)  # no load: the engine's own threshold decides alone
+    wc.observe_load(0.3)
+    e4 = wc.expected_tokens(wc.alpha, 4)
+    assert wc.worth_ahead(0.9, 4)
+    p_even = 5 * 0.3 / (e4 + 5 * 0.3)  # p·E(4) = (1 − p)·5·L
+    assert not wc.worth_ahead(p_even - 0.01, 4) and wc.worth_ahead(p_even + 0.01, 4)

@@ -211,3 +211,43 @@ def test_the_full_acceptance_bet_goes_ahead_before_the_other_branches(tiny_qwen2
     assert backend.ahead_rows[0] == (gamma + 1 if alone else 1 + 3 * gamma), backend.ahead_rows
     assert len(result.ahead_gaps) == len(backend.ahead_rows) and min(result.ahead_gaps) > 0
     assert result.times.drafting_hidden_wasted > 0  # the other branches were still drafted (and lost here)
+
+
+class LoadedLocal(SlowLocal):
+    """SlowLocal whose results report a route load: 0 for the first `free` rounds, then `load`; counts the drafts
+    sent in each phase."""
+
+    def __init__(self, *args, free: int, load: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.free, self.busy_load = free, load
+        self.collected = 0
+        self.sent_while_loaded: list[int] = []  # window sizes sent once the load was reported
+
+    async def submit(self, tokens, *, start, commit, epoch, parents=None, keep=None) -> None:
+        if self.load > 0:
+            self.sent_while_loaded.append(len(tokens))
+        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+
+    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
+        out = await super().collect(epoch=epoch, rows=rows)
+        self.collected += 1
+        self.load = self.busy_load if self.collected >= self.free else 0.0
+        return out
+
+
+def test_a_loaded_route_gets_windows_without_drafts_and_no_bets_and_the_output_stays_exact(tiny_qwen2_root) -> None:
+    """dsd over a route whose peers report a load above the drafts' worth (L = 1): after the report, windows carry
+    no drafts and none goes ahead (the swarm gets `ar`'s rows); before it, drafts and bets as usual; greedy output
+    equals the target's alone throughout."""
+    store = Store(tiny_qwen2_root / "store")
+    n = 32
+    drafter = ModelDrafter(noisy_copy(store.load_full(), 0.05), SamplingParams())
+    backend = LoadedLocal(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=0.1, free=6,
+                          load=1.0)
+    cfg = GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0)
+    result = trio.run(HeadEngine(backend, drafter, cfg).run, PROMPTS[0])
+    assert result.tokens == _reference(tiny_qwen2_root / "hf", PROMPTS[0], n)
+    assert result.drafted > 0 and result.pipelined_rounds + result.pipelined_wasted > 0, result.as_dict()
+    loaded = backend.sent_while_loaded
+    assert len(loaded) >= 10 and set(loaded[2:]) == {1}, loaded  # a window or two already drafted may still go
+    assert result.as_dict()["route_load"] > 0.5

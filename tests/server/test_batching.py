@@ -186,8 +186,9 @@ HEAD_PROMPTS = [[1, 17, 42, 99, 5], [1, 250, 3, 3, 8, 9], [1, 7, 7, 7], [1, 120,
 def test_heads_generating_at_once_over_a_batching_swarm_each_get_the_whole_models_tokens(
         tiny_qwen2_root: Path, tiny_qwen2_hf, tmp_path: Path) -> None:
     """Six heads at once (`ar` and `dsd` with trees, prompt lookup) over a 2-peer route with batching on (the
-    default): every head's greedy tokens equal transformers' for its prompt, and the peers did run windows of
-    different sessions in one step (their `dsd_peer_step_windows` histogram)."""
+    default): every head's greedy tokens equal transformers' for its prompt, the peers did run windows of
+    different sessions in one step (their `dsd_peer_step_windows` histogram), the `dsd` heads' windows sent ahead
+    reached them marked so (`dsd_peer_windows_ahead`), and the heads read the route's load from the results."""
     from support.heads import generate_on
     from support.models import hf_greedy
     from support.processes import cli_testnet
@@ -202,11 +203,17 @@ def test_heads_generating_at_once_over_a_batching_swarm_each_get_the_whole_model
         setup = HeadSetup(Store(tiny_qwen2_root / "store").load_head(), MODEL, LAYERS, NgramDrafter())
         modes = ["ar", "dsd", "sd", "ar", "dsd", "sd"]
         tokens: list[list[int] | None] = [None] * len(HEAD_PROMPTS)
+        loads: list[float] = []
+        sent_ahead = 0
 
         async def one(i: int) -> None:
+            nonlocal sent_ahead
             cfg = GenerationConfig(mode=modes[i], max_new_tokens=N_NEW, gamma=3)
             async with head_node([net["bootstrap"]]) as (node, legs):
-                tokens[i] = (await generate_on(node, legs, setup, HEAD_PROMPTS[i], cfg)).tokens
+                report = await generate_on(node, legs, setup, HEAD_PROMPTS[i], cfg)
+            tokens[i] = report.tokens
+            loads.extend(report.result.route_loads)
+            sent_ahead += report.result.pipelined_rounds + report.result.pipelined_wasted
 
         async def main() -> None:
             async with trio.open_nursery() as nursery:
@@ -214,11 +221,28 @@ def test_heads_generating_at_once_over_a_batching_swarm_each_get_the_whole_model
                     nursery.start_soon(one, i)
 
         trio.run(main)
-        together = [scrape_step_windows(p["metrics_url"]) for p in net["peers"] if p["role"] == "block"]
+        blocks = [p for p in net["peers"] if p["role"] == "block"]
+        together = [scrape_step_windows(p["metrics_url"]) for p in blocks]
+        ahead = [scrape_counter(p["metrics_url"], "dsd_peer_windows_ahead_total") for p in blocks]
     for i, prompt in enumerate(HEAD_PROMPTS):
         assert tokens[i] == hf_greedy(tiny_qwen2_hf, prompt, N_NEW), (i, modes[i])
-    print(f"\nwindows run alone / with others, per peer: {together}")
+    print(f"\nwindows run alone / with others, per peer: {together}; sent ahead: {sent_ahead} by the heads, "
+          f"{ahead} seen per peer; route loads: max {max(loads):.3f}")
     assert any(shared > 0 for _, shared in together), together
+    assert sent_ahead > 0 and all(0 < n <= sent_ahead for n in ahead), (sent_ahead, ahead)  # the flag crossed each hop
+    assert max(loads) > 0, "no head read a load from its route's results"
+
+
+def scrape_counter(url: str, name: str) -> float:
+    """One counter's value from a peer's metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            if s.name == name:
+                return s.value
+    raise AssertionError(f"{name} not among the metrics at {url}")
 
 
 def scrape_step_windows(url: str) -> tuple[float, float]:

@@ -9,6 +9,7 @@ uncovered. Without chromium the test fails in CI (CI=true) and is skipped elsewh
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,9 @@ def test_page_shows_peers_route_coverage_and_requests(chromium: str, server: dic
     assert {c["attrs"]["title"] for c in cells} == {p["peer_id"] for p in peers}  # the full id on hover
     assert [dom.text(e) for e in dom.with_class("alive")] == ["alive"] * len(peers)
     assert [dom.text(e) for e in dom.with_class("reach")] == ["public"] * len(peers)  # AutoNAT dialled them back
+    loads = [dom.text(e) for e in dom.with_class("load")]  # what each peer announces of its load
+    assert len(loads) == len(peers) and all(re.fullmatch(r"\d+ % busy · [\d.]+ rows/step( · \d+ queued)?", t)
+                                           for t in loads), loads
     route = dom.by_id("route")
     want = " → ".join(f"{p['peer_id'][-SHORT:]} [{p['start']}:{p['end']}]" for p in peers)
     assert f"head → {want} → head" in route, route
