@@ -14,6 +14,10 @@ head sends to h1, each hop forwards to the next, hN returns to the head):
   + the wait for the work already on the peer (`PeerRecord.wait_s`, from the load it announces),
     so of two replicas the less loaded one is preferred.
 
+A route holds one weight format (`PeerRecord.weight_format`: fp32, bf16, fp16, int8, int4), so its output is the
+output of one model: `weights` names it, or (None) the format whose best route is cheapest is taken; "any" lets a
+route mix formats.
+
 Every term depends only on (peer, first block, last block) of a hop, so the cheapest
 route is a shortest path over block boundaries 0..num_layers (Dijkstra, as Petals does);
 a head that serves the first or the last layers itself (`generate --blocks A:B`) has only
@@ -40,15 +44,19 @@ TIE_NS = 1.0  # costs equal within a nanosecond count as a tie
 class NoRouteError(Exception):
     """No combination of eligible peers covers every block; `missing_blocks` lists the uncovered ones."""
 
-    def __init__(self, missing_blocks: list[int], num_layers: int, excluded: Mapping[str, str] | None = None) -> None:
+    def __init__(self, missing_blocks: list[int], num_layers: int, excluded: Mapping[str, str] | None = None,
+                 hint: str = "") -> None:
         self.missing_blocks = list(missing_blocks)
         self.num_layers = num_layers
         self.excluded = dict(excluded or {})
+        self.hint = hint
         msg = f"no live peer serves blocks {format_blocks(self.missing_blocks)} (of {num_layers})"
         if self.excluded:
             msg += f"; {len(self.excluded)} peer(s) excluded: " + ", ".join(
                 f"{pid[-8:]} ({why})" for pid, why in sorted(self.excluded.items())
             )
+        if hint:
+            msg += f"; {hint}"
         super().__init__(msg)
 
 
@@ -229,9 +237,11 @@ def plan_route(
     hop_overhead_s: float = 0.0005,
     default_rtt_s: float | None = None,
     blocks: tuple[int, int] | None = None,
+    weights: str | None = None,
 ) -> RoutePlan:
     """The lowest-estimated-round-time route covering blocks 0..num_layers-1 (see the module doc),
-    or only `blocks` = (start, end) when the head serves the others itself.
+    or only `blocks` = (start, end) when the head serves the others itself, over peers of one weight format:
+    `weights` (None: the cheapest format's route; "any": formats mixed).
 
     rtts maps peer id -> head's measured RTT in seconds (None or absent = unreachable, unless
     default_rtt_s is given). Peers that are blacklisted, unreachable or have fewer than
@@ -242,6 +252,18 @@ def plan_route(
     if window_tokens < 1:
         raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
     first, last = _check_blocks(blocks, num_layers)
+    records = list(records)
+    options = dict(window_tokens=window_tokens, blacklist=blacklist, min_cache_tokens=min_cache_tokens,
+                   cache_headroom_tokens=cache_headroom_tokens, low_cache_penalty_s=low_cache_penalty_s,
+                   hop_overhead_s=hop_overhead_s, default_rtt_s=default_rtt_s, blocks=blocks)
+    if weights is None:
+        formats = sorted({r.weight_format for r in records if r.role == "block"})
+        if len(formats) > 1:
+            return _cheapest_format(records, rtts, num_layers, formats, options)
+    elif weights != "any":
+        others = {r.peer_id: f"holds {r.weight_format} weights; this route uses {weights}" for r in records
+                  if r.role == "block" and r.weight_format != weights}
+        blacklist = {**others, **reasons(blacklist)}
     peers, excluded = _eligible(records, rtts, (first, last), blacklist, min_cache_tokens, default_rtt_s)
 
     covered = [False] * num_layers
@@ -298,6 +320,25 @@ def plan_route(
         b = s
     hops.reverse()
     return RoutePlan(tuple(hops), best[last][0] / 1e9, window_tokens, num_layers, excluded)
+
+
+def _cheapest_format(records: list[PeerRecord], rtts: Mapping[str, float | None], num_layers: int,
+                     formats: list[str], options: dict[str, Any]) -> RoutePlan:
+    """The best route of each weight format present, the cheapest of them; none complete: the error of the format
+    that misses the fewest blocks, saying that no single format covers them (`--mix-weights` would mix them)."""
+    plans: list[RoutePlan] = []
+    errors: list[NoRouteError] = []
+    for fmt in formats:
+        try:
+            plans.append(plan_route(records, rtts, num_layers, weights=fmt, **options))
+        except NoRouteError as exc:
+            errors.append(exc)
+    if plans:
+        return min(plans, key=lambda p: p.est_round_s)
+    best = min(errors, key=lambda e: len(e.missing_blocks))
+    raise NoRouteError(best.missing_blocks, num_layers, best.excluded,
+                       f"no single weight format ({', '.join(formats)}) covers them: a route holds one unless mixing "
+                       "is allowed (generate --mix-weights)")
 
 
 def block_throughputs(records: Iterable[PeerRecord], num_layers: int, exclude_peer: str | None = None) -> list[float]:

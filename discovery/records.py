@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 RECORD_DOMAIN = b"dsd-record/1\x00"  # signature domain separation
 ROLES = ("block", "federated", "relay")
 REACHABILITY = ("public", "private", "unknown")  # unknown: no AutoNAT verdict (or a peer older than the field)
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")  # as `dsd.shard_store.quant` names them
+DTYPE_FORMATS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 MAX_RECORD_BYTES = 8 * 1024
 MAX_STR = 256
 MAX_ADDRS = 16
@@ -84,6 +86,7 @@ class PeerRecord:
     version: str = ""
     dtype: str = "float32"
     codec: str = ""  # the wire codec its hidden states leave in ("" unknown: its dtype's exact one; older peers)
+    weights: str = ""  # the format its layers' weights are held in ("" unknown: its dtype's float format; older peers)
     cache_tokens_left: int = 0
     expires: float = 0.0
     issued: float = 0.0  # newer issued wins when a peer has several records stored
@@ -116,6 +119,8 @@ class PeerRecord:
             raise RecordError(f"record field throughput must be > 0, got {self.throughput!r}")
         _check_str("version", self.version, empty_ok=True)
         _check_str("dtype", self.dtype)
+        if self.weights not in ("", *WEIGHT_FORMATS):
+            raise RecordError(f"record field weights must be one of {WEIGHT_FORMATS} (or empty), got {self.weights!r:.40}")
         if self.codec not in ("", *CODECS):
             raise RecordError(f"record field codec must be one of {CODECS} (or empty), got {self.codec!r:.40}")
         _check_int("cache_tokens_left", self.cache_tokens_left)
@@ -142,6 +147,11 @@ class PeerRecord:
             raise RecordError(f"record field manifest_sha256 must be 64 lowercase hex characters, got {self.manifest_sha256!r:.80}")
 
     @property
+    def weight_format(self) -> str:
+        """The weight format of its layers: as announced, else (an older peer) its dtype's float format."""
+        return self.weights or DTYPE_FORMATS.get(self.dtype, "fp32")
+
+    @property
     def num_blocks(self) -> int:
         return self.end - self.start
 
@@ -166,8 +176,9 @@ class PeerRecord:
             del d["manifest_sha256"]
         if d["reachability"] == "unknown":
             del d["reachability"]
-        if not d["codec"]:
-            del d["codec"]
+        for name in ("codec", "weights"):
+            if not d[name]:
+                del d[name]
         for name in ("busy", "batch_rows", "rows_per_s", "queued_rows"):
             if not d[name]:  # an idle peer's record reads the same to peers that predate the load fields
                 del d[name]

@@ -152,13 +152,14 @@ async def probe_rtts(
 
 async def survey(
     node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] | Mapping[str, str] = (), role: str = "block",
-    blocks: tuple[int, int] | None = None,
+    blocks: tuple[int, int] | None = None, weights: str | None = None,
 ) -> SwarmView:
     """Fetch, probe and plan once; blacklisted peers (or a mapping of them to why) are neither probed nor planned
     over, and a "no route" error names each with its reason.
 
     `blocks` = (start, end) plans a route over those layers only (the head serves the others,
-    see `planner.remote_blocks`); peers serving none of them are not probed.
+    see `planner.remote_blocks`); peers serving none of them are not probed. `weights`: the route's weight
+    format (`planner.plan_route`).
     """
     first, last = (0, num_layers) if blocks is None else blocks
     banned = reasons(blacklist)
@@ -180,7 +181,7 @@ async def survey(
     # The planner says why it leaves out the banned and those probed without an answer (unreachable).
     live = [r for r in records if r.peer_id in reachable or r.peer_id in banned or r.peer_id in view.rtts]
     try:
-        view.plan = plan_route(live, reachable, num_layers, blacklist=banned, blocks=blocks)
+        view.plan = plan_route(live, reachable, num_layers, blacklist=banned, blocks=blocks, weights=weights)
     except NoRouteError as exc:
         view.error = exc
     return view

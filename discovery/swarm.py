@@ -114,8 +114,10 @@ class SwarmWatch:
     def __init__(self, node: P2PNode, model: str, num_layers: int, *, refresh_s: float = 15.0,
                  survey_timeout_s: float = 30.0, blocks: tuple[int, int] | None = None,
                  blacklist: Blacklist | None = None, bans: Bans | None = None,
-                 on_survey: Callable[[SwarmView | None, SwarmView], None] | None = None) -> None:
+                 on_survey: Callable[[SwarmView | None, SwarmView], None] | None = None,
+                 weights: str | None = None) -> None:
         self.node = node
+        self.weights = weights  # the routes' weight format (None: the cheapest format's; "any": mixed)
         self.model = model
         self.num_layers = num_layers
         self.blocks = blocks  # the layers a route must cover (None: every layer)
@@ -176,7 +178,7 @@ class SwarmWatch:
             if self.view is not None and self.surveyed_at >= asked - max_age_s:
                 return self.view
             with trio.fail_after(self.survey_timeout_s):
-                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks,
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, weights=self.weights,
                                     blacklist={p: self.bans.reason(p) for p in self.bans.active()})
             before = self.view
             self.view, self.surveyed_at, self.surveyed_unix = view, trio.current_time(), time.time()
@@ -195,7 +197,7 @@ class SwarmWatch:
         level = logging.WARNING  # the first wait is news; the surveys after it are detail
         while True:
             with trio.fail_after(self.survey_timeout_s):
-                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, blacklist=banned)
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, weights=self.weights, blacklist=banned)
             self._remember(view, time.time())
             left = give_up - trio.current_time()
             if view.plan is not None or left <= 0:

@@ -15,6 +15,7 @@ import torch
 
 from .dtypes import DTYPES, dtype_name, torch_dtype
 from .errors import StoreError
+from .quant import QUANT_FORMATS, WeightFormatError, check_weights, compute_dtype, format_of_dtype
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -22,18 +23,28 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 @dataclass(frozen=True)
 class Placement:
-    """A resolved device and compute dtype (what `load_head`, `load_span` and `load_full` take)."""
+    """A resolved device, compute dtype and span weight format (what `load_head`, `load_span` and `load_full`
+    take; `weights` only spans: int8 | int4 pack their linears, `quant.py`)."""
 
     device: torch.device
     dtype: torch.dtype
+    weights: str = ""  # "" = the dtype's float format
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            object.__setattr__(self, "weights", format_of_dtype(self.dtype))
 
     @property
     def dtype_name(self) -> str:
         """The dtype as a store/wire name ("float32", "bfloat16", "float16")."""
         return dtype_name(self.dtype)
 
+    @property
+    def quantized(self) -> bool:
+        return self.weights in QUANT_FORMATS
+
     def __str__(self) -> str:
-        return f"{self.device} {self.dtype_name}"
+        return f"{self.device} {self.dtype_name}" + (f" ({self.weights} weights)" if self.quantized else "")
 
 
 def _mps_available() -> bool:
@@ -106,10 +117,21 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
     return dtype
 
 
-def resolve_placement(device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = "auto") -> Placement:
-    """Both options at once: the device first, then the dtype on it."""
+def resolve_placement(device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = "auto",
+                      weights: str | None = "auto") -> Placement:
+    """The options at once: the device first, then the dtype on it, then the spans' weight format (`--weights`:
+    auto = the dtype's; a float format sets the dtype; int8 | int4 compute in bfloat16, on the CPU). A `--dtype`
+    that contradicts `--weights` is a StoreError naming both."""
     dev = resolve_device(device)
-    return Placement(dev, resolve_dtype(dtype, dev))
+    if weights in (None, "auto"):
+        return Placement(dev, resolve_dtype(dtype, dev))
+    try:
+        want = compute_dtype(check_weights(weights, dev))
+    except WeightFormatError as exc:
+        raise StoreError(str(exc)) from None
+    if dtype not in (None, "auto") and resolve_dtype(dtype, dev) != want:
+        raise StoreError(f"--weights {weights} computes in {dtype_name(want)}, not --dtype {dtype}: leave --dtype out")
+    return Placement(dev, want, weights)
 
 
 def free_memory_bytes(device: torch.device) -> int | None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .manifest import EMBED_FILE, HEAD_FILE, layer_file
+from .quant import bytes_per_weight
 
 if TYPE_CHECKING:
     from .store import Store
@@ -76,18 +77,24 @@ def activation_bytes(store: Store, dtype: torch.dtype, *, window: int, max_len: 
     return window * per_token * elem + scores
 
 
+def _weight_scale(store: Store, dtype: torch.dtype, weights: str | None) -> float:
+    """Held bytes of a layer per stored byte: the compute dtype's, or the weight format's (`quant.bytes_per_weight`)."""
+    return (bytes_per_weight(weights) if weights else _elem(dtype)) / _elem(store.dtype)
+
+
 def span_memory(
     store: Store, start: int, end: int, dtype: torch.dtype, *, kv_tokens: int = 0, window: int = 0, max_len: int = 0,
-    with_head: bool = False,
+    with_head: bool = False, weights: str | None = None,
 ) -> SpanMemory:
-    """What layers [start, end) (plus the head's embeddings and lm_head when `with_head`) need in `dtype`."""
-    files = store.span_files(start, end) + ([EMBED_FILE, HEAD_FILE] if with_head else [])
-    stored = sum(int(store.manifest.files[f]["size"]) for f in files)
-    weights = stored * _elem(dtype) // _elem(store.dtype)
+    """What layers [start, end) (plus the head's embeddings and lm_head when `with_head`, in `dtype`) need in `dtype`,
+    their weights held in `weights` (default the dtype's float format)."""
+    layers_bytes = sum(int(store.manifest.files[f]["size"]) for f in store.span_files(start, end))
+    head_bytes = sum(int(store.manifest.files[f]["size"]) for f in ([EMBED_FILE, HEAD_FILE] if with_head else []))
+    weights_held = int(layers_bytes * _weight_scale(store, dtype, weights)) + head_bytes * _elem(dtype) // _elem(store.dtype)
     layers = end - start
     return SpanMemory(
         layers=layers,
-        weights=weights,
+        weights=weights_held,
         kv=kv_tokens * kv_bytes_per_token(store, layers, dtype),
         kv_tokens=kv_tokens,
         activations=activation_bytes(store, dtype, window=window, max_len=max_len) if window else 0,
@@ -95,11 +102,12 @@ def span_memory(
 
 
 def layers_that_fit(
-    store: Store, budget_bytes: int, dtype: torch.dtype, *, kv_tokens: int = 0, window: int = 0, max_len: int = 0
+    store: Store, budget_bytes: int, dtype: torch.dtype, *, kv_tokens: int = 0, window: int = 0, max_len: int = 0,
+    weights: str | None = None,
 ) -> int:
     """The most layers (0 to all) whose `span_memory` fits in `budget_bytes`, counting the largest layers first."""
     sizes = sorted((int(store.manifest.files[layer_file(i)]["size"]) for i in range(store.num_layers)), reverse=True)
-    scale = _elem(dtype) / _elem(store.dtype)
+    scale = _weight_scale(store, dtype, weights)
     kv_per_layer = kv_bytes_per_token(store, 1, dtype) * kv_tokens
     used = activation_bytes(store, dtype, window=window, max_len=max_len) if window else 0
     fit = 0

@@ -18,6 +18,7 @@ from .errors import StoreError
 from .families import FamilyAdapter
 from .joint_attention import PREFIX, joint_segments, registered
 from .kv_cache import JointCache, SpanCache
+from .quant import Int4Linear, Int8Linear, format_of_dtype
 from .tree_windows import check_parents, is_chain, tree_mask, tree_position_ids
 
 if TYPE_CHECKING:
@@ -139,6 +140,16 @@ class SpanModule(nn.Module):
     def device(self) -> torch.device:
         """Where the span computes (inputs are moved there; its caches fill there)."""
         return next(self.parameters()).device
+
+    @property
+    def weights(self) -> str:
+        """The span's weight format: int8 or int4 when its linears are packed (`quant.py`), else its float dtype's."""
+        for m in self.layers.modules():
+            if isinstance(m, Int8Linear):
+                return "int8"
+            if isinstance(m, Int4Linear):
+                return "int4"
+        return format_of_dtype(self.dtype)
 
     def sub(self, start: int, end: int) -> SpanModule:
         """Layers [start, end) of this span as a span of their own, sharing the weights (no copy)."""

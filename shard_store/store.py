@@ -15,6 +15,7 @@ from .errors import StoreError
 from .families import FamilyAdapter, adapter_for, config_from_dict
 from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, file_matches, layer_file
 from .modules import HeadModule, SpanModule
+from .quant import FLOAT_FORMATS, check_weights, compute_dtype, quantize_linears
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -168,12 +169,27 @@ class Store:
         self._assign(layer, self._read_to(relpath, expected, device, dtype), relpath)
         return layer
 
-    def load_span(self, start: int, end: int, *, device: Device = None, dtype: Dtype = None) -> SpanModule:
-        """Decoder layers [start, end) only, on `device` in `dtype`: reads and holds just those layers' files."""
+    def load_span(self, start: int, end: int, *, device: Device = None, dtype: Dtype = None,
+                  weights: str | None = None) -> SpanModule:
+        """Decoder layers [start, end) only, on `device` in `dtype`: reads and holds just those layers' files.
+        `weights` int8 | int4 packs every linear as it is read (from float32, one layer at a time: `quant.py`) and
+        computes in bf16; a float format is its dtype (`dtype`, if also given, must agree)."""
         self._check_span(start, end)
         dev, dt = self._placement(device, dtype)
         config = self.config()
-        layers = [self._layer(config, i, dev, dt) for i in range(start, end)]
+        if weights is None:
+            return SpanModule(self.adapter, config, start, end, [self._layer(config, i, dev, dt) for i in range(start, end)])
+        check_weights(weights, dev)
+        if dtype is not None and dt != compute_dtype(weights):
+            raise StoreError(f"--weights {weights} computes in {compute_dtype(weights)}, not the {dt} asked for")
+        if weights in FLOAT_FORMATS:
+            dt = FLOAT_FORMATS[weights]
+            return SpanModule(self.adapter, config, start, end, [self._layer(config, i, dev, dt) for i in range(start, end)])
+        layers = []
+        for i in range(start, end):
+            layer = self._layer(config, i, dev, torch.float32)
+            quantize_linears(layer, weights)
+            layers.append(layer)
         return SpanModule(self.adapter, config, start, end, layers)
 
     def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:

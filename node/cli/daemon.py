@@ -22,6 +22,7 @@ from .options import (
     add_device_options,
     add_listen_option,
     add_wan_options,
+    add_weights_option,
     link_profile,
     read_allow_list,
     wire_format,
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="largest K this worker returns (default: the vocabulary size)")
     fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16", help="probability codec of the top-K answers")
     add_device_options(p)
+    add_weights_option(p, "the served layers'")
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
     p.set_defaults(func=cmd_start)
@@ -112,6 +114,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         wire=wire_format(args),
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         threads=args.threads,
         throughput=args.throughput,
         ready_file=args.ready_file,

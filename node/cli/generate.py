@@ -18,6 +18,7 @@ from .options import (
     add_head_options,
     add_overlap_options,
     add_wan_options,
+    add_weights_option,
     audit_options,
     deadline_rule,
     fail,
@@ -54,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cpus_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     add_device_options(p)
+    add_weights_option(p, "the --blocks layers' (and the route's peers')")
+    p.add_argument("--mix-weights", action="store_true", help="let the route mix peers of different --weights formats (default: one format per route, the --weights given or the cheapest route's)")
     add_codec_options(p, "the head's")
     add_wan_options(p)
     add_fetch_options(p, model_help=None)
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("federated mode (SpecFed): --store is the draft; workers hold whole models")
     g.add_argument("--federated", action="store_true", help="verify against federated workers' top-K distributions")
     g.add_argument("--workers", default="auto", metavar="auto|PEER_ID,...", help="workers to use (default auto: every live worker of the vocabulary, sorted by peer id)")
-    g.add_argument("--weights", default=None, metavar="W1,W2,...", help="aggregation weights in the order of --workers (default equal)")
+    g.add_argument("--worker-weights", default=None, metavar="W1,W2,...", help="aggregation weights in the order of --workers (default equal)")
     g.add_argument("--topk", default="64", metavar="K|all", help="K asked of every worker, capped by each worker's own cap (default 64: bias under 2ε̄ in bench/federated.py at 1/2600 of the full distribution's bytes; all = the whole distribution)")
     g.add_argument("--reconstruct", choices=("renormalize", "residual"), default="residual", help="how a top-K is rebuilt into a distribution (default residual)")
     g.add_argument("--worker-timeout", type=float, default=60.0, metavar="S", help="window deadline: a worker later than S seconds is left out of that window")
@@ -76,7 +79,7 @@ def parse_weights(text: str | None) -> list[float] | None:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"dsd-node: --weights must be comma-separated numbers, got {text!r}") from None
+        raise SystemExit(f"dsd-node: --worker-weights must be comma-separated numbers, got {text!r}") from None
 
 
 def _tree_nodes(text: str) -> int | None:
@@ -109,7 +112,7 @@ def _federated_target(args: argparse.Namespace) -> Any:
     from dsd.node.peer.generation import FederatedTarget
 
     peer_ids = None if args.workers == "auto" else [p.strip() for p in args.workers.split(",") if p.strip()]
-    return FederatedTarget(peer_ids=peer_ids, top_k=_topk(args.topk), weights=parse_weights(args.weights),
+    return FederatedTarget(peer_ids=peer_ids, top_k=_topk(args.topk), weights=parse_weights(args.worker_weights),
                            method=args.reconstruct, window_timeout_s=args.worker_timeout)
 
 
@@ -153,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     try:
-        place = resolve_placement(args.device, args.dtype)  # a device not there: one line, before any fetch or load
+        place = resolve_placement(args.device, args.dtype, args.weights)  # a device not there: one line, before any load
     except StoreError as exc:
         return fail(str(exc))
     if args.model:  # fetch the head's files (and --blocks' layers; the whole model when it is the federated draft)
@@ -174,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tree_nodes=args.tree_nodes,
         )
         prompt = encode_prompt(tokenizer, text=args.prompt, ids=args.prompt_ids, chat=args.chat)
-        local_span = load_head_span(Store(args.store), args.blocks, device=place.device, dtype=place.dtype) if args.blocks else None
+        local_span = load_head_span(Store(args.store), args.blocks, place) if args.blocks else None
     except (ValueError, StoreError, OSError) as exc:
         return fail(str(exc))
     streamer = TextStreamer(tokenizer, cfg.stop_strings) if tokenizer is not None and not args.json else None
@@ -187,7 +190,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def text_of(tokens: list[int]) -> str | None:
         return tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
 
-    target = _federated_target(args) if args.federated else RouteTarget(local=local_span, wire=wire_format(args))
+    route_weights = "any" if args.mix_weights else None if args.weights == "auto" else args.weights
+    target = _federated_target(args) if args.federated else RouteTarget(local=local_span, wire=wire_format(args),
+                                                                       weights=route_weights)
     try:
         report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,

@@ -74,6 +74,17 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto", help="compute dtype, whatever the store holds (cast at load): auto = bfloat16 on CUDA GPUs that support it, float16 on other GPUs, float32 on the CPU (bit-exact; default auto)")
 
 
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")  # spelled out: `--help` loads no torch
+
+
+def add_weights_option(p: argparse.ArgumentParser, whose: str) -> None:
+    """`--weights`: the format the layers' weights are held in (`dsd.shard_store.quant`)."""
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help=f"the format {whose} weights are held "
+                   "in: auto = the --dtype's; fp32 | bf16 | fp16 set the dtype; int8 (per-channel scales) | int4 "
+                   "(groups of 128) pack every linear of the layers and compute in bfloat16, on the CPU (5× and 8× "
+                   "fewer bytes than fp32); embeddings and lm_head stay in the dtype (default auto)")
+
+
 def add_listen_option(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help=f"{whose} listen address (default /ip4/127.0.0.1/tcp/0; behind a NAT, the LAN address lets hole punching reuse its port)")
 

@@ -12,6 +12,7 @@ from .options import (
     add_codec_options,
     add_device_options,
     add_wan_options,
+    add_weights_option,
     cpu_list,
     fail,
     link_profile,
@@ -46,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fed.add_argument("--topk-cap", type=int, default=None, metavar="K", help="every worker's K cap")
     fed.add_argument("--topk-codec", choices=("fp16", "bf16", "fp32"), default="fp16")
     add_device_options(up)
+    add_weights_option(up, "the block peers'")
     wan = add_wan_options(up, sender="the testnet's daemons")
     wan.add_argument("--peer-profile", action="append", default=[], metavar="INDEX:NAME", help="block peer (or federated worker) INDEX, 0-based, sends on the named link profile instead (repeatable: a heterogeneous swarm); it gets that profile's own numbers, not the --wan-* overrides (paper: the swarm's latency)")
     up.add_argument("--peer-cpus", type=cpu_list, default=None, metavar="LIST", help="pin the bootstrap and every peer to these CPUs (e.g. 1 or 1-3 or 1,2); with generate/serve --cpus on the others, the head drafts on cores of its own (default: anywhere)")
@@ -73,7 +75,7 @@ def spec_of(args: argparse.Namespace):
         state=args.state, store=args.store, peers=args.peers, replicas=args.replicas, threads=args.threads,
         codec=args.codec, zstd=args.zstd, batching=args.batching, record_ttl_s=args.record_ttl, timeout_s=args.timeout, link=link_profile(args),
         federated=args.federated, worker_stores=workers, topk_cap=args.topk_cap, topk_codec=args.topk_codec,
-        device=args.device, dtype=args.dtype, metrics=args.metrics,
+        device=args.device, dtype=args.dtype, weights=args.weights, metrics=args.metrics,
         fork_program=args.program if args.spawn == "fork" else None, faults=args.faulty,
         link_name=args.link_profile, peer_profiles=args.peer_profile, peer_cpus=args.peer_cpus,
     )

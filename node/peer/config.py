@@ -34,6 +34,7 @@ class DaemonConfig:
     wire: WireFormat = field(default_factory=lambda: WireFormat("auto"))  # auto: the codec of the compute dtype
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps (shard_store.devices)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16: the compute dtype, whatever the store holds
+    weights: str = "auto"  # auto | fp32 | bf16 | fp16 | int8 | int4: the served layers' weight format
     threads: int | None = None
     throughput: float | None = None  # tokens/s to announce instead of measuring at start (`--throughput`)
     ready_file: Path | None = None

@@ -15,8 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from dsd.discovery.host import P2PNode
 from dsd.discovery.planner import remote_blocks
 from dsd.discovery.swarm import SwarmWatch
@@ -33,6 +31,7 @@ from dsd.node.route.legs import ReturnLegs
 from dsd.node.route.open import open_route
 from dsd.protocol import Hop, WireFormat
 from dsd.shard_store import SpanModule, Store, StoreError
+from dsd.shard_store.devices import Placement
 
 from .config import parse_blocks
 from .host import head_node
@@ -51,6 +50,7 @@ class RouteTarget:
     hops: Sequence[Hop] | None = None
     local: SpanModule | None = None
     wire: WireFormat | None = None
+    weights: str | None = None  # the planned route's weight format (None: the cheapest format's; "any": mixed)
 
     @property
     def local_blocks(self) -> tuple[int, int] | None:
@@ -71,18 +71,19 @@ class FederatedTarget:
 Target = RouteTarget | FederatedTarget
 
 
-def load_head_span(
-    store: Store, blocks: str, *, device: torch.device | None = None, dtype: torch.dtype | None = None
-) -> SpanModule:
-    """The layers `generate --blocks A:B` names, from the head's own store (on `device` in `dtype`, like the
-    head): the model's first layers (0:B) or its last ones (A:L), never every layer; ValueError naming the
-    problem otherwise."""
+def load_head_span(store: Store, blocks: str, placement: Placement | None = None) -> SpanModule:
+    """The layers `generate --blocks A:B` names, from the head's own store (where and as `placement` says, like the
+    head, in its weight format): the model's first layers (0:B) or its last ones (A:L), never every layer;
+    ValueError naming the problem otherwise."""
     if blocks == "auto":
         raise ValueError("--blocks of a head takes START:END (the first or the last layers of the model), not auto")
     a, b = parse_blocks(blocks, store.num_layers)
     remote_blocks((a, b), store.num_layers)
     try:
-        return store.load_span(a, b, device=device, dtype=dtype)
+        if placement is None:
+            return store.load_span(a, b)
+        weights = placement.weights if placement.quantized else None
+        return store.load_span(a, b, device=placement.device, dtype=placement.dtype, weights=weights)
     except StoreError as exc:
         raise ValueError(f"--blocks {blocks}: the head serves those layers from its --store, which lacks them: {exc}") from exc
 
@@ -193,7 +194,7 @@ async def generate_from_fresh_head(
     target = target or RouteTarget()
     async with head_node(bootstrap, link, seed=seed, listen=listen) as (node, legs):
         local = target.local_blocks if isinstance(target, RouteTarget) else None
-        swarm = None if isinstance(target, FederatedTarget) else swarm_watch(node, setup, local)
+        swarm = None if isinstance(target, FederatedTarget) else swarm_watch(node, setup, local, weights=target.weights)
         try:
             return await generate_over_swarm(node, legs, swarm, setup, prompt, cfg, target=target,
                                              tokenizer=tokenizer, on_tokens=on_tokens, audit=audit)

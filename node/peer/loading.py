@@ -54,7 +54,10 @@ class Prepared:
 async def prepare(cfg: DaemonConfig) -> Prepared:
     """Check the device (StoreError when it is not there), fetch the store with `--model`, open it and check
     that the span fits (ValueError); set the torch threads. Nothing is loaded yet."""
-    placement = resolve_placement(cfg.device, cfg.dtype)
+    placement = resolve_placement(cfg.device, cfg.dtype, cfg.weights)
+    if cfg.federated and placement.quantized:
+        raise ValueError(f"--weights {placement.weights} packs a block span's layers; a federated worker serves "
+                         "the whole model in a float format (--weights fp32 | bf16 | fp16)")
     fetched: dict | None = None
     if cfg.fetch is not None:
         cfg, fetched = await fetch_store(cfg)
@@ -86,19 +89,20 @@ async def load(prepared: Prepared, peer: Peer, info: dict) -> tuple[BlockServer 
 
 
 def blocks_that_fit(
-    store: Store, memory_gb: float | None, *, dtype: torch.dtype | None = None, limits: ServerLimits | None = None
+    store: Store, memory_gb: float | None, *, dtype: torch.dtype | None = None, limits: ServerLimits | None = None,
+    weights: str | None = None,
 ) -> int:
     """How many layers of `store` fit in `memory_gb` (all of them when no budget is set): their weights in
-    `dtype` (default the store's), plus with `limits` the KV cache of its whole token budget and one window's
-    activations (`shard_store.memory`)."""
+    `dtype` (default the store's) or the weight format `weights`, plus with `limits` the KV cache of its whole token
+    budget and one window's activations (`shard_store.memory`)."""
     num_layers = int(store.manifest.num_layers)
     if memory_gb is None:
         return num_layers
     dtype = dtype or store.dtype
     kv = {"kv_tokens": limits.kv_budget_tokens, "window": limits.max_window, "max_len": limits.max_len} if limits else {}
-    fit = layers_that_fit(store, int(memory_gb * GIB), dtype, **kv)
+    fit = layers_that_fit(store, int(memory_gb * GIB), dtype, weights=weights, **kv)
     if fit < 1:
-        one = span_memory(store, 0, 1, dtype, **kv)
+        one = span_memory(store, 0, 1, dtype, weights=weights, **kv)
         raise ValueError(f"--memory-gb {memory_gb} is less than one layer ({one.describe()})")
     return min(fit, num_layers)
 
@@ -130,14 +134,15 @@ def plan_layers(cfg: DaemonConfig, store: Store, placement: Placement) -> int:
         start, end = (0, num_layers) if cfg.federated else parse_blocks(str(cfg.blocks), num_layers)
         want = end - start
     else:
-        fit = blocks_that_fit(store, budget, dtype=placement.dtype, limits=limits)
+        fit = blocks_that_fit(store, budget, dtype=placement.dtype, limits=limits, weights=placement.weights)
         if cfg.num_blocks is not None and not 1 <= cfg.num_blocks <= num_layers:
             raise ValueError(f"--num-blocks must be in 1..{num_layers} (the model has {num_layers} layers), got {cfg.num_blocks}")
         want = cfg.num_blocks or fit
         start, end = 0, want
     if budget is not None:
         need = span_memory(store, start, end, placement.dtype, kv_tokens=limits.kv_budget_tokens,
-                           window=limits.max_window, max_len=limits.max_len, with_head=cfg.federated)
+                           window=limits.max_window, max_len=limits.max_len, with_head=cfg.federated,
+                           weights=placement.weights)
         if need.total > budget * GIB:
             what = "the whole model" if cfg.federated else f"{want} layers"
             raise ValueError(
@@ -194,13 +199,14 @@ async def load_blocks(
     t0 = time.perf_counter()
     server = await trio.to_thread.run_sync(
         lambda: BlockServer(node, store, start, end, limits=cfg.limits, wire=cfg.wire,
-                            device=placement.device, dtype=placement.dtype, fault=cfg.fault, batching=cfg.batching)
+                            device=placement.device, dtype=placement.dtype, fault=cfg.fault, batching=cfg.batching,
+                            weights=placement.weights)
     )
     log.info("loaded blocks %d:%d of %s on %s in %.1f s", start, end, server.model_id, placement, time.perf_counter() - t0)
     throughput = await announced_throughput(cfg, server)
     info.update(model=server.model_id, start=start, end=end, num_layers=int(store.manifest.num_layers),
                 throughput=throughput, device=str(placement.device), dtype=placement.dtype_name, codec=server.wire.codec,
-                zstd=server.wire.zstd)
+                zstd=server.wire.zstd, weights=server.span.weights)
     if cfg.fault is not None:
         info["fault"] = str(cfg.fault)
     return server
@@ -221,7 +227,7 @@ async def fetch_store(cfg: DaemonConfig) -> tuple[DaemonConfig, dict]:
                 if cfg.federated:
                     start, end = 0, store.num_layers
                 else:
-                    want = plan_layers(cfg, store, resolve_placement(cfg.device, cfg.dtype))
+                    want = plan_layers(cfg, store, resolve_placement(cfg.device, cfg.dtype, cfg.weights))
                     start, end = await choose_span(cfg, peer.node, store, want)
                 report = await fetcher.fetch(files_for(store.manifest, (start, end), head=cfg.federated))
             except Exception as exc:  # raised below, outside the node's nursery (not as an exception group)

@@ -112,13 +112,14 @@ class BlockServer:
         metrics: PeerMetrics | None = None,
         fault: Fault | None = None,
         batching: BatchOptions | None = None,
+        weights: str | None = None,
     ) -> None:
         self.node = node
         self.store = store
         self.model_id = store.manifest.model_id
         self.start, self.end = start, end
         self.limits = limits or ServerLimits()
-        self.span: SpanModule = store.load_span(start, end, device=device, dtype=dtype)
+        self.span: SpanModule = store.load_span(start, end, device=device, dtype=dtype, weights=weights)
         self.fault = fault
         if fault is not None:
             fault.prepare(self.span)
@@ -155,7 +156,8 @@ class BlockServer:
         return [PeerRecord(
             peer_id=self.node.peer_id, addrs=tuple(self.node.addrs), model=self.model_id, start=self.start,
             end=self.end, role="block", throughput=float(self.throughput), version=software_version(),
-            dtype=self.dtype_name, codec=self.wire.codec, cache_tokens_left=int(self.cache_tokens_left),
+            dtype=self.dtype_name, codec=self.wire.codec, weights=self.span.weights,
+            cache_tokens_left=int(self.cache_tokens_left),
             busy=round(load.busy, 4), batch_rows=round(load.batch_rows, 3), rows_per_s=round(load.rows_per_s, 3),
             queued_rows=load.queued_rows,
         )]

@@ -104,7 +104,7 @@ class ServedModel:
         store = Store(options.store)
         place = options.placement
         device, dtype = (place.device, place.dtype) if place is not None else (None, None)
-        local_span = load_head_span(store, options.blocks, device=device, dtype=dtype) if options.blocks else None
+        local_span = load_head_span(store, options.blocks, place) if options.blocks else None
         setup, tokenizer = load_head_setup(options.store, options.draft, SamplingParams(), 0, quant=options.draft_quant,
                                            device=device, dtype=dtype)
         return cls(setup, tokenizer, store, options, local_span)

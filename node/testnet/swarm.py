@@ -64,6 +64,7 @@ class SwarmSpec:
     topk_codec: str = "fp16"
     device: str = "auto"  # every daemon's --device (one GPU can hold several peers' spans)
     dtype: str = "auto"  # every daemon's --dtype
+    weights: str = "auto"  # every block peer's --weights
     metrics: bool = False  # every daemon serves its Prometheus metrics on a free loopback port
     # The `dsd-node` program (`run(argv)`) to fork the daemons after the bootstrap into: this process imports
     # what they load once, instead of each starting a new interpreter. Only for a caller that has run no
@@ -106,7 +107,7 @@ class _Launch:
         link_name, profile = link or (self.spec.link_name, self.spec.link)
         common = ["--identity", str(self.spec.state / "keys" / f"{name}.key"),
                   "--ready-file", str(self.ready_dir / f"{name}.json"), *profile.cli_args(),
-                  "--device", self.spec.device, "--dtype", self.spec.dtype,
+                  "--device", self.spec.device, "--dtype", self.spec.dtype, "--weights", self.spec.weights,
                   *(["--metrics-port", "0"] if self.spec.metrics else [])]
         program = self.spec.fork_program
         with children_pinned(self.spec.peer_cpus):

@@ -62,7 +62,7 @@ def test_k_equal_v_greedy_is_greedy_decoding_of_the_weighted_average(federated_n
 def test_cli_generate_federated_reports_bytes_eps_and_k(federated_net: dict, tiny_qwen2_draft_store: Path) -> None:
     out = cli("generate", "--federated", "--bootstrap", federated_net["bootstrap"], "--store", str(tiny_qwen2_draft_store),
               "--prompt-ids", "1,17,42,99,5", "--max-new-tokens", "10", "--topk", "8", "--reconstruct", "renormalize",
-              "--weights", "2,1", "--workers", f"{federated_net['a']['peer_id']},{federated_net['b']['peer_id']}", "--json", timeout=180)
+              "--worker-weights", "2,1", "--workers", f"{federated_net['a']['peer_id']},{federated_net['b']['peer_id']}", "--json", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["new_tokens"] == 10 and report["federated"] and report["reconstruct"] == "renormalize"

@@ -213,6 +213,24 @@ def test_a_window_sent_ahead_says_so_and_one_that_is_not_reads_as_before() -> No
     assert isinstance(msg, Forward) and not msg.ahead
 
 
+def test_a_routes_load_rides_windows_and_results_and_a_bad_one_is_refused_by_name() -> None:
+    """`Forward.load` / `Result.load` (what one more row costs the others on the hops so far): on the wire only when
+    non-zero (older peers read the same frames), a number in [0, max_route]; anything else is a named error."""
+    from dsd.protocol import Result
+
+    hidden = encode_tensor(np.ones((2, 4), np.float32), "raw")
+    assert "load" not in Forward("s", 3, 10, 8, hidden).to_wire() and "load" not in Result("s", 3, 10, hidden).to_wire()
+    for msg in (Forward("s", 3, 10, 8, hidden, load=0.75), Result("s", 3, 10, hidden, load=1.5)):
+        (back,) = FrameDecoder().feed(raw_frame(msg.to_wire()))
+        assert back == msg and back.load == msg.load
+    for bad in (-0.1, float("nan"), 1e6, "0.5", True):
+        body = Result("s", 3, 10, hidden).to_wire()
+        body["load"] = bad
+        with pytest.raises(ProtocolError) as ei:
+            FrameDecoder().feed(raw_frame(body))
+        assert ei.value.field == "Result.load", (bad, ei.value)
+
+
 @pytest.mark.parametrize("version", ["2.0", "0.9", "17.1"])
 def test_unknown_major_version_is_refused(version: str) -> None:
     body = Ack("s", 1).to_wire()

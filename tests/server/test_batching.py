@@ -258,3 +258,63 @@ def scrape_step_windows(url: str) -> tuple[float, float]:
             elif s.name == "dsd_peer_step_windows_count":
                 total = s.value
     return alone, total - alone
+
+
+@pytest.mark.network
+def test_a_peer_killed_while_it_batches_four_heads_is_failed_over_by_each_and_every_output_stays_exact(
+        tiny_qwen2_root: Path, tiny_qwen2_hf, tmp_path: Path) -> None:
+    """Four heads on one route of a replicated swarm (2 spans × 2 replicas, batching on): once the first head has
+    12 tokens, the route's first peer, stepping the four sessions' windows together, is SIGKILLed; every head
+    fails over to the replica and gets transformers' greedy tokens."""
+    import os
+    import signal
+
+    from support.models import hf_greedy
+    from support.processes import cli_testnet
+
+    from dsd.discovery.survey import wait_for_route
+    from dsd.node.head.config import GenerationConfig
+    from dsd.node.head.drafters import NgramDrafter
+    from dsd.node.head.setup import HeadSetup
+    from dsd.node.peer.generation import RouteTarget, generate_over_swarm, swarm_watch
+    from dsd.node.peer.host import head_node
+
+    n_new = 40
+    prompts = HEAD_PROMPTS[:4]
+    with cli_testnet(tmp_path, "--store", str(tiny_qwen2_root / "store"), "--peers", "4", "--replicas", "2",
+                     "--wan-latency-ms", "20") as net:
+        pids = {p["peer_id"]: p["pid"] for p in net["peers"] if p["role"] == "block"}
+        setup = HeadSetup(Store(tiny_qwen2_root / "store").load_head(), MODEL, LAYERS, NgramDrafter())
+        reports: list = [None] * len(prompts)
+        killed: list[str] = []
+
+        async def main() -> None:
+            async with head_node([net["bootstrap"]]) as (node, _):
+                view = await wait_for_route(node, MODEL, LAYERS, 30)
+                hops = list(view.plan.protocol_hops())
+            progress: list[list[int]] = [[] for _ in prompts]
+
+            async def one(i: int) -> None:
+                def seen(toks: list[int]) -> None:
+                    progress[i].extend(toks)
+                    if not killed and sum(map(len, progress)) >= 12:  # every head's session is open and stepping
+                        killed.append(hops[0].peer_id)
+                        os.kill(pids[hops[0].peer_id], signal.SIGKILL)
+
+                async with head_node([net["bootstrap"]]) as (node, legs):
+                    reports[i] = await generate_over_swarm(
+                        node, legs, swarm_watch(node, setup), setup, prompts[i],
+                        GenerationConfig(mode=["ar", "dsd", "sd", "dsd"][i], max_new_tokens=n_new, gamma=3),
+                        target=RouteTarget(hops=hops), on_tokens=seen)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+
+        trio.run(main)
+    assert killed, "the kill never happened"
+    for i, prompt in enumerate(prompts):
+        report = reports[i]
+        assert report.tokens == hf_greedy(tiny_qwen2_hf, prompt, n_new), i
+        assert report.transport.failovers, i  # each head replaced the dead hop itself
+        assert killed[0] not in [h.peer_id for h in report.transport.hops], i

@@ -105,6 +105,29 @@ def test_resolver_auto_and_names_on_this_machine() -> None:
 
     assert COMPUTE_DTYPES == DTYPE_CHOICES
     assert DEVICE_HELP == "|".join(DEVICE_CHOICES)
+    from dsd.discovery.records import DTYPE_FORMATS
+    from dsd.discovery.records import WEIGHT_FORMATS as RECORD_FORMATS
+    from dsd.node.cli.options import WEIGHT_FORMATS as CLI_FORMATS
+    from dsd.shard_store.quant import FLOAT_FORMATS, WEIGHT_FORMATS
+
+    assert CLI_FORMATS == ("auto", *WEIGHT_FORMATS) and RECORD_FORMATS == WEIGHT_FORMATS  # records read no torch
+    from dsd.shard_store.dtypes import dtype_name
+
+    assert {dtype_name(FLOAT_FORMATS[f]): f for f in FLOAT_FORMATS} == DTYPE_FORMATS
+
+
+def test_weights_set_the_compute_dtype_and_a_contradiction_is_refused_by_name() -> None:
+    from dsd.shard_store.devices import resolve_placement
+
+    assert resolve_placement("cpu", "auto", "int4").dtype == torch.bfloat16
+    assert resolve_placement("cpu", "bfloat16", "int8").weights == "int8"
+    assert resolve_placement("cpu", "auto", "fp16").dtype == torch.float16
+    assert resolve_placement("cpu", "float32").weights == "fp32" and not resolve_placement("cpu").quantized
+    assert str(resolve_placement("cpu", "auto", "int8")) == "cpu bfloat16 (int8 weights)"
+    with pytest.raises(StoreError, match="--weights int8 computes in bfloat16, not --dtype float32"):
+        resolve_placement("cpu", "float32", "int8")
+    with pytest.raises(StoreError, match="unknown weight format 'nf4'"):
+        resolve_placement("cpu", "auto", "nf4")
 
 
 def test_codec_follows_the_compute_dtype_and_carries_it_exactly() -> None:

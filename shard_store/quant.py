@@ -1,0 +1,158 @@
+"""Weight formats of a span: float (fp32, bf16, fp16) or weight-only quantized (int8, int4) linears.
+
+A quantized span keeps every `nn.Linear` of its decoder layers as packed integer weights with scales and computes
+in bfloat16 (norms, biases, attention and activations stay bf16): torch's CPU kernels are fast only with bf16
+activations (measured on a 2-core Xeon: one row through a layer's seven projections 0.25× fp32's time, fed fp32 3–37×
+slower than fp32 itself).
+
+- `int8`: per output channel symmetric, q = round(w / s) in [-127, 127], s = max|w| / 127 per row;
+  `torch._weight_int8pack_mm` (x [M, K] bf16, q [N, K] int8, s [N] bf16).
+- `int4`: group-wise asymmetric over `INT4_GROUP` (128) consecutive inputs of a row (the largest of 128, 64, 32
+  that divides the row; a row it cannot split stays bf16), q = round((w − min) / s) in [0, 15], s = (max − min) / 15,
+  w ≈ (q − 8)·s + zero with zero = min + 8·s; `torch._weight_int4pack_mm_for_cpu` (packed with
+  `_convert_weight_to_int4pack_for_cpu`, inner k tiles 2; it needs N a multiple of 16, else the linear stays bf16).
+
+Quantizing is deterministic: the same float weights give the same packed weights, so a span of a route and the same
+layers run whole in one process compute the same numbers. Embeddings, the final norm and lm_head (the head's) stay
+in the head's float dtype. The packed kernels are CPU kernels: another device gets a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANT_FORMATS = ("int8", "int4")
+INT4_GROUP = 128
+INT4_GROUPS = (128, 64, 32)  # group sizes tried in order: the first that divides a row's inputs
+INT4_TILES = 2
+COMPUTE_DTYPE = torch.bfloat16  # what a quantized span computes in
+
+
+class WeightFormatError(ValueError):
+    """An unknown weight format, or one this machine has no kernel for."""
+
+
+def check_weights(fmt: str, device: torch.device | str | None = None) -> str:
+    """`fmt` if it is a known format that runs on `device` (quantized: the CPU only), else WeightFormatError."""
+    if fmt not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"unknown weight format {fmt!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    if fmt in QUANT_FORMATS:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dev.type != "cpu":
+            raise WeightFormatError(
+                f"--weights {fmt} runs on torch's CPU kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); "
+                f"this span is on {dev}: serve bf16 or fp16 there")
+        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
+        if not hasattr(torch.ops.aten, op):
+            raise WeightFormatError(f"--weights {fmt}: this torch ({torch.__version__}) has no aten.{op}")
+    return fmt
+
+
+def bytes_per_weight(fmt: str) -> float:
+    """What one weight of a layer costs held in `fmt` (int8: a byte and its row's bf16 scale amortized; int4: half a
+    byte and a bf16 scale and zero per group of 128); norms and biases, a few in a thousand, are counted alike."""
+    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / INT4_GROUP}[check_weights(fmt)]
+
+
+def compute_dtype(fmt: str) -> torch.dtype:
+    """The dtype a span of weight format `fmt` computes in."""
+    return FLOAT_FORMATS.get(check_weights(fmt), COMPUTE_DTYPE)
+
+
+def format_of_dtype(dtype: torch.dtype) -> str:
+    """The float weight format of a dtype (fp32 for anything unknown)."""
+    return next((name for name, dt in FLOAT_FORMATS.items() if dt == dtype), "fp32")
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights (per output channel scales); bf16 in and out."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().to(torch.float32)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(COMPUTE_DTYPE))
+        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous(), self.qweight,
+                                      self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def int4_group(in_features: int, out_features: int) -> int | None:
+    """The int4 group size for a [out, in] weight, or None when the kernel cannot take it (stays bf16)."""
+    if out_features % 16:
+        return None
+    return next((g for g in INT4_GROUPS if in_features % g == 0), None)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with 4-bit weights (group-wise scales and zeros); bf16 in and out."""
+
+    def __init__(self, linear: nn.Linear, group: int) -> None:
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        w = linear.weight.detach().to(torch.float32).reshape(n, k // group, group)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        zero = lo + 8.0 * scale
+        self.in_features, self.out_features, self.group = k, n, group
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, INT4_TILES))
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+                             .to(COMPUTE_DTYPE))
+        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous(), self.qweight, self.group,
+            self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_linears(module: nn.Module, fmt: str) -> list[str]:
+    """Replace every `nn.Linear` inside `module` by its `fmt` (int8 | int4) form, then cast what is left (norms,
+    the linears int4 cannot take) to bf16; returns the names of the linears kept in bf16."""
+    check_weights(fmt)
+    if fmt not in QUANT_FORMATS:
+        raise WeightFormatError(f"quantize_linears takes int8 or int4, not {fmt!r}")
+    kept: list[str] = []
+    for name, child in list(_linears(module)):
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        if fmt == "int8":
+            setattr(parent, attr, Int8Linear(child))
+            continue
+        group = int4_group(child.in_features, child.out_features)
+        if group is None:
+            kept.append(name)
+            continue
+        setattr(parent, attr, Int4Linear(child, group))
+    for p in module.parameters():  # norms, biases of layers kept wide, anything but the packed weights
+        p.data = p.data.to(COMPUTE_DTYPE)
+    return kept
+
+
+def _linears(module: nn.Module) -> Iterable[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer a module holds (what its weights cost in memory)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
