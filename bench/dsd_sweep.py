@@ -91,14 +91,15 @@ def calibrate(opts: SweepOptions, peers: int, ratio: float | None, target: Path,
 
     store = Store(target)
     layers = math.ceil(store.num_layers / peers)  # the largest span of an even split is the one routed slowest
-    t0 = measure_t0(store, layers)
+    weights = None if opts.weights == "auto" else opts.weights
+    t0 = measure_t0(store, layers, weights=weights)
     prompt = workload.ids(workload.problems[0])
     latency = opts.fixed_latency_ms if ratio is None else link_latency_ms(ratio, t0)
     assert latency is not None
     cal = {
         "peers": peers, "ratio": round(latency / (t0 * 1000), 3) if ratio is None else ratio, "layers_per_peer": layers,
         "t0_s": t0,
-        "t0_window_s": {str(k): v for k, v in measure_step_table(store, layers).items()},
+        "t0_window_s": {str(k): v for k, v in measure_step_table(store, layers, weights=weights).items()},
         "head_window_s": {str(k): v for k, v in measure_head_table(setup.head).items()},
         "latency_ms": latency,
         "draft_s_per_token": measure_draft_step(setup.drafter, prompt),
@@ -210,7 +211,7 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
         from dsd.node.testnet.calibrate import measure_t0
         from dsd.shard_store import Store
 
-        t0_now = measure_t0(Store(target), cal["layers_per_peer"])
+        t0_now = measure_t0(Store(target), cal["layers_per_peer"], weights=None if opts.weights == "auto" else opts.weights)
         if opts.fixed_latency_ms is None:
             latency_ms = link_latency_ms(cal["ratio"], t0_now)  # hold the setting's t1/t0, not its t1
         record = {"commit": git_commit(), "load_before": os.getloadavg(), "started": now_stamp(), "t0_s": t0_now,
@@ -226,7 +227,8 @@ def run_setting(opts: SweepOptions, setting: dict[str, Any], target: Path, setup
     placement = placement or Placement.plan(opts.pin_head)
     record["placement"] = placement.record()
     with testnet(target, cal["peers"], latency_ms, opts.state / setting["key"], link_profile=opts.link_profile,
-                 peer_profiles=opts.peer_profiles, peer_cpus=placement.peers, codec=opts.codec, zstd=opts.zstd) as state:
+                 peer_profiles=opts.peer_profiles, peer_cpus=placement.peers, codec=opts.codec, zstd=opts.zstd,
+                 weights=opts.weights) as state:
         log(f"  testnet up in {state.up_seconds:.1f} s; {len(todo)} prompt runs to go")
         placement.pids = [p.pid for p in state.peers]
 

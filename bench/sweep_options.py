@@ -13,7 +13,7 @@ from harness import MODEL_KINDS, RESULTS_DIR, comma_list, today
 from sweep_model import MODES, SHARED
 from sweep_provenance import setting_key, wire_label
 
-from dsd.node.cli.options import HIDDEN_CODECS
+from dsd.node.cli.options import HIDDEN_CODECS, WEIGHT_FORMATS
 from dsd.node.testnet.link_profiles import PAPER, PROFILES, named, parse_peer_profiles
 
 # Fixed before any run: 10 problems spread evenly over HumanEval's 164 (i·164/10, rounded down).
@@ -45,6 +45,7 @@ class SweepOptions:
     peer_profiles: list[str] = field(default_factory=list)  # "INDEX:NAME": that peer sends on another profile
     codec: str = "auto"  # the hidden-state codec of every peer and of the head (auto: the compute dtype's, exact)
     zstd: bool = False
+    weights: str = "auto"  # the block peers' weight format (`start --weights`): auto = their dtype's
     exec_timeout: float = 5.0
     name: str = "dsd_sweep"
     results: Path | None = None
@@ -68,7 +69,8 @@ class SweepOptions:
 
     def key(self, peers: int, ratio: float | None) -> str:
         """The key of this sweep's setting of N = `peers` at t1/t0 `ratio` (None: the profile's latency)."""
-        return setting_key(self.models, peers, ratio, self.link_profile, self.wire_label)
+        wire = "-".join(x for x in (self.wire_label, "" if self.weights == "auto" else self.weights) if x)
+        return setting_key(self.models, peers, ratio, self.link_profile, wire)
 
     @property
     def grid_ratios(self) -> list[float | None]:
@@ -108,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None, doc: str | None = None) -> tup
     p.add_argument("--codec", choices=HIDDEN_CODECS, default="auto",
                    help="hidden-state codec of the peers and the head (default auto: the compute dtype's, exact)")
     p.add_argument("--zstd", action="store_true", help="zstd-compress hidden states on the wire")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="the block peers' weight format (start --weights; int8/int4 compute in bf16; default auto)")
     p.add_argument("--exec-timeout", type=float, default=5.0, help="seconds per HumanEval test program")
     p.add_argument("--name", default=None, help="results file stem (default dsd_sweep[-tiny])")
     p.add_argument("--results", type=Path, default=None, help="results JSON to write and resume from")
@@ -160,6 +164,6 @@ def parse_args(argv: Sequence[str] | None = None, doc: str | None = None) -> tup
                         reps=args.reps, max_new_tokens=args.max_new_tokens, tau_max=args.tau_max,
                         draft_quant=args.draft_quant, branches=args.branches, pipeline=args.pipeline, tree_nodes=tree_nodes,
                         pin_head=args.pin_head, link_profile=args.link_profile, peer_profiles=args.peer_profile,
-                        codec=args.codec, zstd=args.zstd, exec_timeout=args.exec_timeout, name=name,
+                        codec=args.codec, zstd=args.zstd, weights=args.weights, exec_timeout=args.exec_timeout, name=name,
                         results=args.results, merge=args.merge, state=args.state)
     return opts, args

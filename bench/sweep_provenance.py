@@ -53,7 +53,7 @@ def wire_label(codec: str, zstd: bool) -> str:
 
 # Options added after results were first written, with the value every older setting ran with.
 LATER_OPTIONS: dict[str, Any] = {"pin_head": False, "link_profile": "paper", "peer_profiles": [], "codec": "auto",
-                                 "zstd": False}
+                                 "zstd": False, "weights": "auto"}
 
 
 def setting_options(opts: Any) -> dict[str, Any]:

@@ -16,14 +16,15 @@ STEP_WINDOWS = (1, 2, 4, 8, 16)
 
 
 def measure_step_table(store: Any, layers: int, windows: Sequence[int] = STEP_WINDOWS, *, context: int = 160,
-                       reps: int = 5) -> dict[int, float]:
-    """Median seconds for one peer (1 thread, `layers` layers) to process a window of w tokens after `context`."""
+                       reps: int = 5, weights: str | None = None) -> dict[int, float]:
+    """Median seconds for one peer (1 thread, `layers` layers, held in `weights`) to process a window of w tokens
+    after `context`."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        span = store.load_span(0, max(1, min(layers, store.num_layers)))
+        span = store.load_span(0, max(1, min(layers, store.num_layers)), weights=weights)
         hidden = int(store.manifest.hidden_size)
         gen = torch.Generator().manual_seed(0)
         cache = span.new_cache()

@@ -16,7 +16,8 @@ head sends to h1, each hop forwards to the next, hN returns to the head):
 
 A route holds one weight format (`PeerRecord.weight_format`: fp32, bf16, fp16, int8, int4), so its output is the
 output of one model: `weights` names it, or (None) the format whose best route is cheapest is taken; "any" lets a
-route mix formats.
+route mix formats, "float" the float ones (fp32, bf16, fp16: what an audit of a float route may compare with, at
+its precision pair's tolerance).
 
 Every term depends only on (peer, first block, last block) of a hop, so the cheapest
 route is a shortest path over block boundaries 0..num_layers (Dijkstra, as Petals does);
@@ -39,6 +40,7 @@ from typing import Any
 from .records import PeerRecord
 
 TIE_NS = 1.0  # costs equal within a nanosecond count as a tie
+FLOAT_FORMATS = ("fp32", "bf16", "fp16")
 
 
 class NoRouteError(Exception):
@@ -241,7 +243,7 @@ def plan_route(
 ) -> RoutePlan:
     """The lowest-estimated-round-time route covering blocks 0..num_layers-1 (see the module doc),
     or only `blocks` = (start, end) when the head serves the others itself, over peers of one weight format:
-    `weights` (None: the cheapest format's route; "any": formats mixed).
+    `weights` (None: the cheapest format's route; "any": formats mixed; "float": fp32, bf16 and fp16 mixed).
 
     rtts maps peer id -> head's measured RTT in seconds (None or absent = unreachable, unless
     default_rtt_s is given). Peers that are blacklisted, unreachable or have fewer than
@@ -261,8 +263,9 @@ def plan_route(
         if len(formats) > 1:
             return _cheapest_format(records, rtts, num_layers, formats, options)
     elif weights != "any":
+        allowed = FLOAT_FORMATS if weights == "float" else (weights,)
         others = {r.peer_id: f"holds {r.weight_format} weights; this route uses {weights}" for r in records
-                  if r.role == "block" and r.weight_format != weights}
+                  if r.role == "block" and r.weight_format not in allowed}
         blacklist = {**others, **reasons(blacklist)}
     peers, excluded = _eligible(records, rtts, (first, last), blacklist, min_cache_tokens, default_rtt_s)
 

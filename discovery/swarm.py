@@ -186,18 +186,20 @@ class SwarmWatch:
             self._note(before, view)
             return view
 
-    async def plan(self, avoid: Mapping[str, str] | Iterable[str] = frozenset(), *, wait_s: float = 0.0) -> SwarmView:
+    async def plan(self, avoid: Mapping[str, str] | Iterable[str] = frozenset(), *, wait_s: float = 0.0,
+                   weights: str | None = None) -> SwarmView:
         """A fresh survey planned without the blacklisted and banned peers and `avoid` (peers, or peers with why;
         a failover's view: the shared `view` is left as it is; the live peers it saw are remembered). With `wait_s`,
         a survey that finds blocks missing is repeated for up to that long, saying what it waits for (records can
         lag: a peer just started, or the node that held its record left); the last view says what is still
-        missing, and why each peer left out was."""
+        missing, and why each peer left out was. `weights`: this plan's weight format (default the watch's)."""
         banned = self.exclusions(avoid)
         give_up = trio.current_time() + wait_s
         level = logging.WARNING  # the first wait is news; the surveys after it are detail
         while True:
             with trio.fail_after(self.survey_timeout_s):
-                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks, weights=self.weights, blacklist=banned)
+                view = await survey(self.node, self.model, self.num_layers, blocks=self.blocks,
+                                    weights=weights or self.weights, blacklist=banned)
             self._remember(view, time.time())
             left = give_up - trio.current_time()
             if view.plan is not None or left <= 0:

@@ -167,6 +167,16 @@ class Audited:
     hops: tuple[Hop, ...]
 
 
+
+def replica_weights(formats: set[str]) -> str | None:
+    """The weight format an audit's replica route must hold, given the audited route's: its own quantized format
+    (no calibrated tolerance crosses formats), any float format for a float route (compared at the precision pair's
+    tolerance); None for a route that mixes a quantized format with others (`generate --mix-weights`): no replica
+    computes its model, so it is not audited."""
+    if formats <= {"fp32", "bf16", "fp16"}:
+        return "float"
+    return formats.pop() if len(formats) == 1 else None
+
 class Auditor:
     """Audits one generation's windows (see the module doc); `offer` each result, `check` before using the next,
     `settle` before the generation's text is final."""
@@ -362,11 +372,17 @@ class Auditor:
             self.ledger.skip(self._no_replica[1])
             return None
         avoid = dict.fromkeys(audited, "on the audited route")
-        view = await self.swarm.plan(avoid)
+        formats = {self.swarm.records[p].weight_format for p in audited if p in self.swarm.records}
+        weights = replica_weights(set(formats))
+        if weights is None:
+            self.ledger.skip(f"the route mixes weight formats ({', '.join(sorted(formats))}): no replica computes "
+                             "its model")
+            return None
+        view = await self.swarm.plan(avoid, weights=weights)
         blocks = self.swarm.blocks or (0, self.swarm.num_layers)
         if view.plan is None and replicas_announced(view.records, audited | self.swarm.avoided(), blocks,
                                                     self.swarm.num_layers):
-            view = await self.swarm.plan(avoid, wait_s=PLAN_WAIT_S)  # their probes may lag
+            view = await self.swarm.plan(avoid, wait_s=PLAN_WAIT_S, weights=weights)  # their probes may lag
         if view.plan is None:
             why = f"no replica route disjoint from the audited one: {view.error}"
             self._no_replica = (trio.current_time() + REPLAN_S, why)

@@ -12,7 +12,7 @@ from dsd.shard_store import Store
 
 def measure_t0(
     store: Store, layers: int, *, threads: int = 1, prefill: int = 32, steps: int = 7,
-    device: torch.device | None = None, dtype: torch.dtype | None = None,
+    device: torch.device | None = None, dtype: torch.dtype | None = None, weights: str | None = None,
 ) -> float:
     """Median seconds of a 1-token decode step through `layers` layers after a short prefill, on `device`
     in `dtype` (default the CPU, the store's dtype), its output copied back to the CPU as a peer does.
@@ -22,7 +22,7 @@ def measure_t0(
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        span = store.load_span(0, max(1, min(layers, store.num_layers)), device=device, dtype=dtype)
+        span = store.load_span(0, max(1, min(layers, store.num_layers)), device=device, dtype=dtype, weights=weights)
         cache = span.new_cache()
         hidden = int(store.manifest.hidden_size)
         gen = torch.Generator().manual_seed(0)

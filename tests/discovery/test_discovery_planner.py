@@ -225,3 +225,28 @@ def test_of_two_replicas_the_less_loaded_one_is_preferred_by_its_expected_wait()
     assert plan.breakdown()["overhead_and_penalty_s"] == pytest.approx(0.0005 + 0.05 * 0.05 * 1 / 10)
     quiet = [loaded("busy", 0, 8, 0.0, 0.0, 0.0), recs[1]]  # the same peer idle again: nearness wins
     assert spans(plan_route(quiet, {"busy": 0.008, "idle": 0.010}, 8)) == [("busy", 0, 8)]
+
+
+def held(pid: str, start: int, end: int, weights: str, tput: float = 1000.0) -> PeerRecord:
+    return PeerRecord(pid, (f"/ip4/127.0.0.1/tcp/1/p2p/{pid}",), "m", start, end, throughput=tput,
+                      cache_tokens_left=100_000, expires=2e9, issued=1e9, weights=weights)
+
+
+def test_a_route_holds_one_weight_format_unless_mixing_is_allowed() -> None:
+    recs = [held("a8", 0, 4, "int8", tput=5000.0), held("b8", 4, 8, "int8", tput=5000.0),
+            held("a32", 0, 4, "fp32"), held("b32", 4, 8, "fp32"), held("b4", 4, 8, "int4", tput=50_000.0)]
+    rtts = dict.fromkeys([r.peer_id for r in recs], 0.01)
+    assert spans(plan_route(recs, rtts, 8)) == [("a8", 0, 4), ("b8", 4, 8)]  # the cheapest one-format route
+    plan = plan_route(recs, rtts, 8, weights="fp32")
+    assert spans(plan) == [("a32", 0, 4), ("b32", 4, 8)]
+    assert plan.excluded["a8"] == "holds int8 weights; this route uses fp32"
+    assert spans(plan_route(recs, rtts, 8, weights="any")) == [("a8", 0, 4), ("b4", 4, 8)]  # the fastest, mixed
+    with pytest.raises(NoRouteError, match=r"blocks 0-3 .*holds int8 weights; this route uses int4"):
+        plan_route(recs, rtts, 8, weights="int4")
+    halves = [held("x", 0, 4, "int8"), held("y", 4, 8, "int4")]
+    with pytest.raises(NoRouteError, match=r"no single weight format \(int4, int8\) covers them.*--mix-weights"):
+        plan_route(halves, {"x": 0.01, "y": 0.01}, 8)
+    old = PeerRecord("old", ("/ip4/127.0.0.1/tcp/1/p2p/old",), "m", 0, 8, dtype="bfloat16", expires=2e9, issued=1e9)
+    assert old.weight_format == "bf16" and "weights" not in old.to_dict()  # an older peer: its dtype's format
+    floats = [old, held("f", 0, 8, "fp32", tput=0.1), held("q", 0, 8, "int8", tput=1e6)]
+    assert spans(plan_route(floats, dict.fromkeys("old f q".split(), 0.01), 8, weights="float")) == [("old", 0, 8)]
