@@ -60,6 +60,7 @@ class Manifest:
     tied_embeddings: bool = False
     source: str = ""
     eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation (see writer)
+    weights: str = ""  # "" a float store in `dtype`; int8 | int4: its layers' linears held quantized (`quant.py`)
 
     @property
     def total_bytes(self) -> int:
@@ -67,8 +68,11 @@ class Manifest:
         return sum(int(f["size"]) for f in self.files.values())
 
     def to_json(self) -> str:
-        """Stable JSON text (sorted keys) for writing manifest.json."""
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        """Stable JSON text (sorted keys) for writing manifest.json; a float store's reads as before the field."""
+        data = asdict(self)
+        if not data["weights"]:
+            del data["weights"]
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def write(self, store_dir: str | Path) -> None:
         """Write manifest.json into store_dir atomically."""
@@ -129,6 +133,11 @@ class Manifest:
         eos = data.get("eos_token_ids", [])
         if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
             raise StoreError("manifest: eos_token_ids must be a list of token ids")
+        weights = data.get("weights", "")
+        if weights not in ("", "int8", "int4"):
+            raise StoreError(f"manifest: weights {weights!r} is not int8 or int4 (or absent: a float store)")
+        if weights and data["dtype"] != "bfloat16":
+            raise StoreError(f"manifest: a store of {weights} weights computes in bfloat16, not {data['dtype']}")
         required = [EMBED_FILE, HEAD_FILE] + [layer_file(i) for i in range(data["num_layers"])]
         for relpath in required:
             if relpath not in files:
@@ -147,6 +156,7 @@ class Manifest:
             tied_embeddings=tied,
             source=str(data.get("source", "")),
             eos_token_ids=sorted(set(eos)),
+            weights=weights,
         )
 
     @classmethod

@@ -78,7 +78,10 @@ def activation_bytes(store: Store, dtype: torch.dtype, *, window: int, max_len: 
 
 
 def _weight_scale(store: Store, dtype: torch.dtype, weights: str | None) -> float:
-    """Held bytes of a layer per stored byte: the compute dtype's, or the weight format's (`quant.bytes_per_weight`)."""
+    """Held bytes of a layer per stored byte: the compute dtype's, or the weight format's (`quant.bytes_per_weight`);
+    a quantized store holds its files' bytes."""
+    if store.manifest.weights:
+        return 1.0
     return (bytes_per_weight(weights) if weights else _elem(dtype)) / _elem(store.dtype)
 
 

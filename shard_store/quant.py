@@ -69,18 +69,50 @@ def format_of_dtype(dtype: torch.dtype) -> str:
     return next((name for name, dt in FLOAT_FORMATS.items() if dt == dtype), "fp32")
 
 
+def int8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scales bf16 [N]) of a float weight [N, K]: per output channel, symmetric."""
+    w = w.detach().to(torch.float32)
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale.to(COMPUTE_DTYPE)
+
+
+def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int32 [N, K] in 0..15, scales and zeros bf16 [K / group, N, 2]) of a float weight [N, K]: per group of
+    `group` inputs, asymmetric (w ≈ (q − 8)·s + zero)."""
+    n, k = w.shape
+    g = w.detach().to(torch.float32).reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + 8.0 * scale
+    return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [N, K] (K even) as bytes [N, K / 2], column 2j in the low nibble: how a store holds them."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
+    """`pack_nibbles` undone: int32 [N, 2·K']."""
+    b = b.to(torch.int32)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights (per output channel scales); bf16 in and out."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().to(torch.float32)
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(COMPUTE_DTYPE))
-        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
-        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.to(torch.int8))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+        self.register_buffer("bias", None if bias is None else bias.to(COMPUTE_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(*int8_quantize(linear.weight), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -99,22 +131,21 @@ def int4_group(in_features: int, out_features: int) -> int | None:
 
 
 class Int4Linear(nn.Module):
-    """A linear layer with 4-bit weights (group-wise scales and zeros); bf16 in and out."""
+    """A linear layer with 4-bit weights (group-wise scales and zeros); bf16 in and out. Holds the kernel's packed
+    layout only (`q`, 0..15 [N, K], is packed at construction)."""
 
-    def __init__(self, linear: nn.Linear, group: int) -> None:
+    def __init__(self, q: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        n, k = linear.out_features, linear.in_features
-        w = linear.weight.detach().to(torch.float32).reshape(n, k // group, group)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8.0 * scale
-        self.in_features, self.out_features, self.group = k, n, group
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, INT4_TILES))
-        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-                             .to(COMPUTE_DTYPE))
-        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
-        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = q.shape
+        self.group = self.in_features // int(scales_zeros.shape[0])
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                                INT4_TILES))
+        self.register_buffer("scales_zeros", scales_zeros.to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(COMPUTE_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: int) -> Int4Linear:
+        return cls(*int4_quantize(linear.weight, group), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -137,13 +168,13 @@ def quantize_linears(module: nn.Module, fmt: str) -> list[str]:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         if fmt == "int8":
-            setattr(parent, attr, Int8Linear(child))
+            setattr(parent, attr, Int8Linear.from_linear(child))
             continue
         group = int4_group(child.in_features, child.out_features)
         if group is None:
             kept.append(name)
             continue
-        setattr(parent, attr, Int4Linear(child, group))
+        setattr(parent, attr, Int4Linear.from_linear(child, group))
     for p in module.parameters():  # norms, biases of layers kept wide, anything but the packed weights
         p.data = p.data.to(COMPUTE_DTYPE)
     return kept
@@ -156,3 +187,52 @@ def _linears(module: nn.Module) -> Iterable[tuple[str, nn.Linear]]:
 def held_bytes(module: nn.Module) -> int:
     """Bytes of every parameter and buffer a module holds (what its weights cost in memory)."""
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def stored_tensors(layer: nn.Module, fmt: str) -> dict[str, torch.Tensor]:
+    """A float layer's tensors as a quantized store holds them in `fmt`: per linear `NAME.qweight` (int8) or
+    `NAME.q4` (4-bit values two to a byte, `pack_nibbles`) with `NAME.scales` / `NAME.scales_zeros` and its bias,
+    every other tensor (norms, linears int4 cannot take) in bf16 under its own name."""
+    check_weights(fmt)
+    if fmt not in QUANT_FORMATS:
+        raise WeightFormatError(f"a quantized store holds int8 or int4, not {fmt!r}")
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for name, lin in _linears(layer):
+        group = int4_group(lin.in_features, lin.out_features) if fmt == "int4" else None
+        if fmt == "int8":
+            out[f"{name}.qweight"], out[f"{name}.scales"] = int8_quantize(lin.weight)
+        elif group is not None:
+            q, out[f"{name}.scales_zeros"] = int4_quantize(lin.weight, group)
+            out[f"{name}.q4"] = pack_nibbles(q)
+        else:
+            continue
+        if lin.bias is not None:
+            out[f"{name}.bias"] = lin.bias.detach().to(COMPUTE_DTYPE)
+        done |= {f"{name}.weight", f"{name}.bias"}
+    for key, tensor in layer.state_dict().items():
+        if key not in done:
+            out[key] = tensor.detach().to(COMPUTE_DTYPE)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_stored(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Fill a layer built on the meta device from a quantized store's tensors (`stored_tensors`): its linears
+    become Int8Linear / Int4Linear, the rest is assigned in bf16. Returns what the tensors lacked (empty: whole)."""
+    tensors = dict(tensors)
+    for name, _ in _linears(layer):
+        bias = tensors.pop(f"{name}.bias", None)
+        if f"{name}.qweight" in tensors:
+            module: nn.Module = Int8Linear(tensors.pop(f"{name}.qweight"), tensors.pop(f"{name}.scales"), bias)
+        elif f"{name}.q4" in tensors:
+            module = Int4Linear(unpack_nibbles(tensors.pop(f"{name}.q4")), tensors.pop(f"{name}.scales_zeros"), bias)
+        else:
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, module)
+    layer.to(COMPUTE_DTYPE)
+    missing, unexpected = layer.load_state_dict(tensors, strict=False, assign=True)
+    left = [n for n, p in layer.named_parameters() if p.is_meta]
+    return sorted(set(left) | set(unexpected))

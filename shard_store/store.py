@@ -15,7 +15,14 @@ from .errors import StoreError
 from .families import FamilyAdapter, adapter_for, config_from_dict
 from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, file_matches, layer_file
 from .modules import HeadModule, SpanModule
-from .quant import FLOAT_FORMATS, check_weights, compute_dtype, quantize_linears
+from .quant import (
+    FLOAT_FORMATS,
+    check_weights,
+    compute_dtype,
+    format_of_dtype,
+    load_stored,
+    quantize_linears,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -100,9 +107,14 @@ class Store:
             missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
             raise StoreError(f"store {self.path}: {relpath} has wrong tensors (missing {missing}, unexpected {extra})")
         for key, tensor in tensors.items():
-            if tensor.dtype != self.dtype:
+            if tensor.dtype != self.dtype and not self._packed(key, tensor):
                 raise StoreError(f"store {self.path}: {relpath}:{key} is {tensor.dtype}, manifest says {self.dtype}")
         return tensors
+
+    def _packed(self, key: str, tensor: torch.Tensor) -> bool:
+        """A quantized store's integer tensor (int8 `.qweight`, 4-bit `.q4`), of the dtype its format stores."""
+        want = {"int8": (".qweight", torch.int8), "int4": (".q4", torch.uint8)}.get(self.manifest.weights)
+        return want is not None and key.endswith(want[0]) and tensor.dtype == want[1]
 
     def span_files(self, start: int, end: int) -> list[str]:
         """Relpaths of the weight files a span [start, end) reads."""
@@ -177,6 +189,9 @@ class Store:
         self._check_span(start, end)
         dev, dt = self._placement(device, dtype)
         config = self.config()
+        held = self.manifest.weights
+        if held:
+            return self._load_quantized_span(start, end, config, dev, weights)
         if weights is None:
             return SpanModule(self.adapter, config, start, end, [self._layer(config, i, dev, dt) for i in range(start, end)])
         check_weights(weights, dev)
@@ -192,10 +207,37 @@ class Store:
             layers.append(layer)
         return SpanModule(self.adapter, config, start, end, layers)
 
+    def _load_quantized_span(self, start: int, end: int, config: PretrainedConfig, device: torch.device,
+                             weights: str | None) -> SpanModule:
+        """A span of a quantized store, as it holds it (`quant.load_stored`): the format asked must be its own."""
+        held = self.manifest.weights
+        if weights not in (None, held):
+            raise StoreError(f"store {self.path} holds {held} weights: serve it with --weights {held} (or auto), or "
+                             f"serve --weights {weights} from a float store")
+        check_weights(held, device)
+        layers = []
+        for i in range(start, end):
+            relpath = layer_file(i)
+            path = self._checked(relpath)
+            with torch.device("meta"):
+                layer = self.adapter.new_decoder_layer(config, i)
+            try:
+                tensors = load_file(str(path))
+            except Exception as exc:  # safetensors raises its own error types on corrupt files
+                raise StoreError(f"store {self.path}: cannot read {relpath}: {exc}") from exc
+            left = load_stored(layer, tensors)
+            if left:
+                raise StoreError(f"store {self.path}: {relpath} does not fit the model as {held} weights: {left}")
+            layers.append(layer)
+        return SpanModule(self.adapter, config, start, end, layers)
+
     def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:
         """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model."""
         from transformers import AutoModelForCausalLM
 
+        if self.manifest.weights:
+            raise StoreError(f"store {self.path} holds {self.manifest.weights} layers: a whole transformers model "
+                             "(a draft) loads from a float store")
         dev, dt = self._placement(device, dtype)
         config = self.config()
         config.dtype = dt
@@ -246,6 +288,7 @@ class Store:
             "hidden_size": m.hidden_size,
             "vocab_size": m.vocab_size,
             "dtype": m.dtype,
+            "weights": m.weights or format_of_dtype(self.dtype),
             "files": len(m.files),
             "total_bytes": m.total_bytes,
             "head_bytes": m.files[EMBED_FILE]["size"] + m.files[HEAD_FILE]["size"],

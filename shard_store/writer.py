@@ -280,3 +280,65 @@ def convert(
     )
     log.info("converted %s in %.1fs", src.name, time.perf_counter() - started)
     return manifest
+
+
+def quantize_store(src: str | Path, out: str | Path, weights: str, *, overwrite: bool = False,
+                   progress: Progress | None = None) -> Manifest:
+    """A float store's copy at `out` holding its layers' linears in `weights` (int8 | int4, `quant.stored_tensors`),
+    the rest of each layer and the head's files (embeddings, final norm, lm_head) in bfloat16, the tokenizer as it
+    is; every file hashed into the manifest like any store's, so peers fetch and verify the quantized bytes."""
+    from .quant import QUANT_FORMATS, check_weights, stored_tensors
+    from .store import Store
+
+    check_weights(weights)
+    if weights not in QUANT_FORMATS:
+        raise StoreError(f"a quantized store holds int8 or int4 weights, not {weights!r}")
+    source = Store(src)
+    if source.manifest.weights:
+        raise StoreError(f"store {src} already holds {source.manifest.weights} weights: quantize a float store")
+    out = Path(out)
+    _check_out(out, overwrite)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    m = source.manifest
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        config = source.config()
+        total = m.num_layers + 2
+        for i in range(m.num_layers):
+            path = staging / layer_file(i)
+            _save_tensors(path, stored_tensors(source._layer(config, i, torch.device("cpu"), torch.float32), weights))
+            files[layer_file(i)] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            if progress is not None:
+                progress("weights", i + 1, total)
+        for done, relpath in enumerate((EMBED_FILE, HEAD_FILE), start=m.num_layers + 1):
+            path = staging / relpath
+            keys = {"embed_tokens.weight"} if relpath == EMBED_FILE else (
+                {"norm.weight"} if m.tied_embeddings else {"norm.weight", "lm_head.weight"})
+            tensors = source._read(relpath, keys)
+            _save_tensors(path, {k: v.to(torch.bfloat16) for k, v in tensors.items()})
+            files[relpath] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            if progress is not None:
+                progress("weights", done, total)
+        for relpath in m.tokenizer_files:
+            (staging / relpath).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source.path / relpath, staging / relpath)
+            files[relpath] = dict(m.files[relpath])
+        manifest = Manifest(
+            format_version=FORMAT_VERSION, model_id=m.model_id, family=m.family, config={**m.config, "dtype": "bfloat16"},
+            num_layers=m.num_layers, hidden_size=m.hidden_size, vocab_size=m.vocab_size, dtype="bfloat16",
+            files=files, tokenizer_files=list(m.tokenizer_files), tied_embeddings=m.tied_embeddings,
+            source=f"{m.source} ({weights} weights)".strip(), eos_token_ids=list(m.eos_token_ids), weights=weights,
+        )
+        Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
+        manifest.write(staging)
+        if out.exists():
+            shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return manifest
+

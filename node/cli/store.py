@@ -92,6 +92,7 @@ def _print_summary(summary: dict) -> None:
         ("hidden size", str(summary["hidden_size"])),
         ("vocab size", str(summary["vocab_size"])),
         ("dtype", summary["dtype"]),
+        ("weights", summary.get("weights", "")),
         ("files", str(summary["files"])),
         ("total size", _human(summary["total_bytes"])),
         ("head (embed+norm+lm_head)", _human(summary["head_bytes"])),
@@ -124,6 +125,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary)
         print(f"manifest sha256 {summary['manifest_sha256']}  (pin it: --manifest-sha256)")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Write a quantized copy of a float store (its layers' linears in int8 or int4), then print its summary."""
+    from dsd.node.fetch.local import manifest_sha256
+    from dsd.shard_store import Store, StoreError
+    from dsd.shard_store.writer import quantize_store
+
+    t0 = time.perf_counter()
+    try:
+        quantize_store(args.store, args.out, args.weights, overwrite=args.overwrite)
+        summary = Store(args.out).summary()
+    except (StoreError, ValueError) as exc:
+        return _err(str(exc))
+    summary["manifest_sha256"] = manifest_sha256(args.out)
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+        print(f"wrote {args.out} in {summary['seconds']} s; manifest sha256 {summary['manifest_sha256']}")
     return 0
 
 
@@ -277,6 +300,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     pi.add_argument("store", type=Path)
     pi.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pi.set_defaults(func=cmd_inspect)
+    pq = ssub.add_parser("quantize", help="write a copy of a float store whose layers hold int8 or int4 weights "
+                         "(peers serve and fetch it as it is: docs/quantization.md)")
+    pq.add_argument("store", type=Path, help="a float store")
+    pq.add_argument("out", type=Path, help="the quantized store to write (an empty or new directory)")
+    pq.add_argument("--weights", choices=("int8", "int4"), required=True)
+    pq.add_argument("--overwrite", action="store_true", help="replace an existing store at OUT")
+    pq.add_argument("--json", action="store_true", help="print the summary as JSON")
+    pq.set_defaults(func=cmd_quantize)
     pv = ssub.add_parser("verify", help="re-hash every file; exit 1 naming any file that does not match")
     pv.add_argument("store", type=Path)
     pv.set_defaults(func=cmd_verify)

@@ -30,7 +30,7 @@ def linear(n: int, k: int, seed: int = 0, bias: bool = True) -> nn.Linear:
 
 def test_int8_rows_are_its_dequantized_weights_times_the_input() -> None:
     lin = linear(48, 64)
-    q = Int8Linear(lin)
+    q = Int8Linear.from_linear(lin)
     x = torch.randn(5, 64)
     deq = q.qweight.float() * q.scales.float()[:, None]
     want = x.bfloat16().float() @ deq.T + lin.bias.bfloat16().float()
@@ -45,7 +45,7 @@ def test_int8_rows_are_its_dequantized_weights_times_the_input() -> None:
 def test_int4_rows_are_its_dequantized_weights_times_the_input_and_groups_fit_the_kernel() -> None:
     lin = linear(32, 256, bias=False)
     assert int4_group(256, 32) == 128 and int4_group(96, 32) == 32 and int4_group(64, 40) is None
-    q = Int4Linear(lin, 128)
+    q = Int4Linear.from_linear(lin, 128)
     x = torch.randn(3, 256)
     g = lin.weight.reshape(32, 2, 128)
     step = ((g.amax(-1) - g.amin(-1)) / 15).max()
@@ -100,3 +100,44 @@ def test_what_cannot_run_is_refused_by_name(tiny_qwen2_store: Path) -> None:
 
     with pytest.raises(StoreError, match="computes in torch.bfloat16"):
         Store(tiny_qwen2_store).load_span(0, 2, weights="int8", dtype="float32")
+
+
+def test_the_command_line_refuses_a_format_it_cannot_serve_in_one_line(tiny_qwen2_store: Path, tmp_path: Path) -> None:
+    from support.processes import cli
+
+    key = tmp_path / "k.key"
+    start = ["start", "--store", str(tiny_qwen2_store), "--identity", str(key)]
+    out = cli(*start, "--weights", "int8", "--dtype", "float32", timeout=60)
+    assert out.returncode != 0 and "--weights int8 computes in bfloat16, not --dtype float32" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = cli(*start, "--weights", "nf4", timeout=60)
+    assert out.returncode != 0 and "invalid choice: 'nf4'" in out.stderr, out.stderr
+    out = cli(*start, "--weights", "int4", "--federated", timeout=60)
+    assert out.returncode != 0 and "a federated worker serves the whole model in a float format" in out.stderr
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_store_holds_the_packed_bytes_and_serves_what_quantizing_at_load_serves(
+        tiny_qwen2_store: Path, tmp_path: Path, fmt: str) -> None:
+    from support.processes import cli
+
+    from dsd.shard_store.errors import StoreError
+
+    out = tmp_path / f"tiny-{fmt}"
+    done = cli("store", "quantize", str(tiny_qwen2_store), str(out), "--weights", fmt, "--json", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = __import__("json").loads(done.stdout)
+    src, q = Store(tiny_qwen2_store), Store(out)
+    assert summary["weights"] == fmt and q.manifest.weights == fmt and q.manifest.dtype == "bfloat16"
+    assert summary["layer_bytes"] < src.summary()["layer_bytes"] * (0.4 if fmt == "int8" else 0.3), summary
+    assert q.verify() == []  # every file hashed into the manifest, as any store's
+    x = torch.randn(1, 6, q.manifest.hidden_size, generator=torch.Generator().manual_seed(2))
+    stored, packed_at_load = q.load_span(1, 4), src.load_span(1, 4, weights=fmt)
+    assert stored.weights == fmt
+    assert torch.equal(stored.step(x, 0, stored.new_cache()), packed_at_load.step(x, 0, packed_at_load.new_cache()))
+    with pytest.raises(StoreError, match=f"holds {fmt} weights: serve it with --weights {fmt}"):
+        q.load_span(0, 2, weights="bf16")
+    with pytest.raises(StoreError, match="loads from a float store"):
+        q.load_full()
+    again = cli("store", "quantize", str(out), str(tmp_path / "twice"), "--weights", fmt, timeout=60)
+    assert again.returncode != 0 and f"already holds {fmt} weights" in again.stderr
