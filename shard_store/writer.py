@@ -6,12 +6,13 @@ manifest last, so an interrupted conversion never looks like a finished store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,11 +145,7 @@ def write_store(
         if not tensors:
             raise StoreError(f"{family}: no weights for {name}")
 
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
+    with _staging(out) as staging:
         files: dict[str, dict[str, Any]] = {}
         total = len(groups)
         for done, (relpath, tensors) in enumerate(groups.items(), start=1):
@@ -180,15 +177,31 @@ def write_store(
             source=source,
             eos_token_ids=eos_token_ids(model, tokenizer),
         )
-        Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
-        manifest.write(staging)
+        _write_manifest(manifest, staging)
+    return manifest
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A staging directory beside `out`, renamed into place when the block ends well (manifest last: written
+    inside it); on any failure it is removed, so an interrupted write never looks like a finished store."""
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
         if out.exists():
             shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
         os.replace(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    return manifest
+
+
+def _write_manifest(manifest: Manifest, staging: Path) -> None:
+    Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
+    manifest.write(staging)
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -298,12 +311,8 @@ def quantize_store(src: str | Path, out: str | Path, weights: str, *, overwrite:
         raise StoreError(f"store {src} already holds {source.manifest.weights} weights: quantize a float store")
     out = Path(out)
     _check_out(out, overwrite)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
     m = source.manifest
-    try:
+    with _staging(out) as staging:
         files: dict[str, dict[str, Any]] = {}
         config = source.config()
         total = m.num_layers + 2
@@ -332,13 +341,6 @@ def quantize_store(src: str | Path, out: str | Path, weights: str, *, overwrite:
             files=files, tokenizer_files=list(m.tokenizer_files), tied_embeddings=m.tied_embeddings,
             source=f"{m.source} ({weights} weights)".strip(), eos_token_ids=list(m.eos_token_ids), weights=weights,
         )
-        Manifest.from_dict(json.loads(manifest.to_json()))  # what we write must read back
-        manifest.write(staging)
-        if out.exists():
-            shutil.rmtree(out) if any(out.iterdir()) else out.rmdir()
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        _write_manifest(manifest, staging)
     return manifest
 

@@ -73,11 +73,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except StoreError as exc:
         return _err(str(exc))
     summary["convert_seconds"] = round(time.perf_counter() - started, 2)
+    return _show_written(args, summary, f"converted in {summary['convert_seconds']:.1f} s")
+
+
+def _show_written(args: argparse.Namespace, summary: dict, line: str) -> int:
+    """A store just written: its summary as JSON (`--json`), or the table and `line`."""
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         _print_summary(summary)
-        print(f"converted in {summary['convert_seconds']:.1f} s")
+        print(line)
     return 0
 
 
@@ -142,12 +147,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return _err(str(exc))
     summary["manifest_sha256"] = manifest_sha256(args.out)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        _print_summary(summary)
-        print(f"wrote {args.out} in {summary['seconds']} s; manifest sha256 {summary['manifest_sha256']}")
-    return 0
+    return _show_written(args, summary, f"wrote {args.out} in {summary['seconds']} s; manifest sha256 "
+                                        f"{summary['manifest_sha256']}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
