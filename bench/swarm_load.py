@@ -249,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out.exists():
         old = json.loads(out.read_text())
         results.update(reference=old.get("reference", {}), raw=old.get("raw", []))
+        results.update({k: old[k] for k in ("set_apart", "set_apart_controller", "first_run", "resumed") if k in old})
         results.setdefault("resumed", []).append({"commit": git_commit(), "command": command_line("swarm_load.py", argv
                                                   if argv is not None else sys.argv[1:])})
         log(f"resuming {out}: {len(results['raw'])} cells done")

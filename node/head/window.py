@@ -19,7 +19,8 @@ row of this generation costs the other sessions on its peers, in their tokens (e
 own steps, `dsd.node.server.load`, summed over the hops). A drafted row is worth its chance of acceptance minus
 that cost, so under load the controller maximizes
 
-    net(γ) = (E(γ) − L·γ) / T(γ)          over 0 ≤ γ (a window of no drafts is an `ar` step)
+    net(γ) = (E(γ) − L·γ) / T(γ)          over γ_min ≤ γ, and over 0 ≤ γ once L ≥ α (then no drafted
+                                           row is worth its cost: a window of no drafts is an `ar` step)
 
 and a window is sent ahead on a bet won with probability p only if p·E(γ) ≥ (1 − p)·(γ + 1)·L (a lost bet's
 rows were taken from the others for nothing). With L = 0 (no one else on the route's peers) both rules are the
@@ -280,7 +281,7 @@ class WindowController:
         else:
             use_cap = math.ceil(math.log(self.useful_threshold) / math.log(alpha))
         hi = max(self.gamma_min, min(self.gamma_max, use_cap))
-        lo = 0 if self.load > 0 else self.gamma_min
+        lo = 0 if self.load >= alpha else self.gamma_min  # no drafted row is worth its cost: `ar`'s windows
         best_g, best_rate = lo, None
         for g in range(lo, hi + 1):
             t = self._round_time(g)

@@ -15,7 +15,7 @@ answer or error. A faulty peer's lying sessions (tests and demos) always step al
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,9 +63,9 @@ class Batcher:
         self._waiting: list[Job] = []
         self.steps = 0
 
-    def load(self, session: str) -> float:
-        """What one more row of `session` costs the other sessions on this span now (`LoadMeter.load`)."""
-        return self.meter.load(session)
+    def load(self, session: str, open_sessions: Collection[str] | None = None) -> float:
+        """What one more row of `session` costs the other (open) sessions on this span now (`LoadMeter.load`)."""
+        return self.meter.load(session, open_sessions)
 
     def report(self) -> LoadReport:
         """The span's recent load, with the rows waiting now (for the record)."""

@@ -6,7 +6,7 @@ how long it computed, and how many rows each session had in it. From them:
     busy       share of the window's wall time the span was computing             (0..1)
     b          seconds one more row adds to a step: the least-squares slope of step seconds over step rows
                (clamped to [0, mean seconds / mean rows]); that upper bound while the rows have not varied
-    others(s)  rows per second of every session but s
+    others(s)  rows per second of every other session still open (one that ended competes no more)
     load(s)    = min(1, busy · b · others(s))
 
 `load(s)` is what one more row of session s costs the other sessions here, in their tokens: a step one row longer
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 LOAD_WINDOW_S = 5.0  # the recent past a load is measured over
@@ -88,14 +88,16 @@ class LoadMeter:
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
         return min(max(slope, 0.0), bound)
 
-    def load(self, session: str, now: float | None = None) -> float:
-        """What one more row of `session` costs the other sessions here, in their tokens (0..1)."""
+    def load(self, session: str, open_sessions: Collection[str] | None = None, now: float | None = None) -> float:
+        """What one more row of `session` costs the other sessions here (those in `open_sessions`, default every
+        one seen), in their tokens (0..1)."""
         now = self._clock() if now is None else now
         steps = self._recent(now)
         if not steps:
             return 0.0
         span = self._span(steps, now)
-        others = sum(s.total - s.rows.get(session, 0) for s in steps) / span
+        others = sum(rows for s in steps for owner, rows in s.rows.items()
+                     if owner != session and (open_sessions is None or owner in open_sessions)) / span
         if others <= 0:
             return 0.0
         busy = min(1.0, sum(s.seconds for s in steps) / span)

@@ -334,7 +334,7 @@ def test_a_resumed_setting_holds_its_t1_over_t0_on_a_machine_that_got_slower(mon
         raise Started(peers, latency_ms)
 
     monkeypatch.setattr(sweep_provenance, "machine_info", lambda: {"host_id": "b" * 12, "cpu_model": "CPU B", "cpu_count": 2})
-    monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers: 0.150)
+    monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers, weights=None: 0.150)
     monkeypatch.setattr(dsd.shard_store, "Store", lambda path: None)
     monkeypatch.setattr(dsd_sweep, "testnet", testnet)
     opts = SweepOptions(draft_quant="int8")

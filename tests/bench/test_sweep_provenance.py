@@ -183,7 +183,7 @@ def test_a_setting_killed_mid_stretch_and_resumed_on_another_host_keeps_both_str
 
     monkeypatch.setattr(sweep_provenance, "monotonic", lambda: now[0])
     monkeypatch.setattr(sweep_provenance, "machine_info", lambda: CPU_B)
-    monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers: 0.1)
+    monkeypatch.setattr(dsd.node.testnet.calibrate, "measure_t0", lambda store, layers, weights=None: 0.1)
     monkeypatch.setattr(dsd.shard_store, "Store", lambda path: None)
     monkeypatch.setattr(dsd.node.peer.host, "head_node", head_node)
     monkeypatch.setattr(dsd.node.peer.generation, "swarm_watch", lambda node, setup: None)

@@ -62,3 +62,12 @@ def test_load_falls_with_idle_time_and_forgets_steps_older_than_its_window() -> 
     assert sparse.report().busy == pytest.approx(0.1, rel=0.15)
     clock.t += 6.0
     assert meter.load("a") == 0.0 and meter.report().rows_per_s == 0.0
+
+
+def test_a_session_that_ended_weighs_on_no_one() -> None:
+    clock = Clock()
+    meter = LoadMeter(clock=clock)
+    steps(meter, clock, [(0.05, {"a": 1, "gone": 4})] * 10)
+    assert meter.load("a") > 0
+    assert meter.load("a", open_sessions={"a"}) == 0.0  # the other one closed: its rows were its own business
+    assert meter.load("a", open_sessions={"a", "gone"}) == meter.load("a")
