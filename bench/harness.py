@@ -200,12 +200,14 @@ def swarm(spec: Any) -> Iterator[Any]:
 def testnet(store: Path, peers: int, latency_ms: float | None, state_dir: Path, *, timeout_s: float = 600.0,
             replicas: int = 1, faults: Sequence[str] = (), threads: int = 1, link_profile: str | None = None,
             peer_profiles: Sequence[str] = (), peer_cpus: str | Iterable[int] | None = None, codec: str = "auto",
-            zstd: bool = False, batching: str = "on", weights: str = "auto") -> contextlib.AbstractContextManager[Any]:
+            zstd: bool = False, batching: str = "on", weights: str = "auto",
+            metrics: bool = False) -> contextlib.AbstractContextManager[Any]:
     """A local testnet (bootstrap + `peers` block peers in `peers / replicas` spans, `threads` each; `faults` as
     `testnet up --faulty`) that is always stopped. WAN: the named `link_profile` (None: latency only) with
     `latency_ms` as its latency (None: the profile's), `peer_profiles` as `testnet up --peer-profile`;
     `peer_cpus` (`"1"`, `"1-3"` or a set) pins the bootstrap and the peers (pin the head with
-    `dsd.node.peer.cpus.pin_head`); `codec`, `zstd`: the peers' hidden-state wire format (`dsd-node start`'s); `batching`: their `--batching`; `weights`: their `--weights`."""
+    `dsd.node.peer.cpus.pin_head`); `codec`, `zstd`: the peers' hidden-state wire format (`dsd-node start`'s); `batching`: their `--batching`; `weights`: their `--weights`; `metrics`: each serves its Prometheus
+metrics (`state.peers[i].metrics_url`)."""
     from dsd.node.peer.cpus import parse_cpus
     from dsd.node.testnet.link_profiles import build_link
     from dsd.node.testnet.swarm import SwarmSpec
@@ -215,7 +217,7 @@ def testnet(store: Path, peers: int, latency_ms: float | None, state_dir: Path, 
                            link=build_link(link_profile, latency_ms), link_name=link_profile,
                            peer_profiles=list(peer_profiles), peer_cpus=cpus, replicas=replicas,
                            faults=list(faults), threads=threads, codec=codec, zstd=zstd, batching=batching,
-                           weights=weights))
+                           weights=weights, metrics=metrics))
 
 
 async def plan_once(node: Any, model_id: str, num_layers: int, timeout_s: float = 120.0) -> list[Any]:

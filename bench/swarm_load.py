@@ -9,6 +9,8 @@ from one shared queue and generate `--max-tokens` greedy tokens each. Reported p
 the cell's wall time, per-generation tokens/s p50/p95, time to the first token p50/p95 (the prompt's round),
 mean drafts per round, the route load the heads read, and whether every output equals `ar`'s tokens for its prompt
 (the reference: the first `ar` generation of that prompt in the run, batching off at H = 1 when it runs first).
+With `--metrics` each cell also records what the peers' steps held (their `dsd_peer_step_windows` histograms: the
+windows per step as a window saw it, and the steps' compute seconds per window) and how busy each CPU was.
 One JSON on stdout, saved (after every cell: a rerun with the same --out resumes) under results/, and a PNG.
 
     python bench/swarm_load.py                                    # the real pair: 4 × 3 × 2 cells
@@ -78,6 +80,7 @@ def summarize(cell: dict[str, Any], reference: dict[str, list[int]]) -> dict[str
         "drafts_per_round": round(statistics.fmean(drafts), 3) if drafts else 0.0,
         "route_load_mean": round(statistics.fmean(r["route_load"] for r in ok), 4) if ok else None,
         "wall_s": cell["wall_s"],
+        **({"steps": cell["steps"]} if "steps" in cell else {}),
     }
 
 
@@ -160,6 +163,49 @@ async def run_cell(heads: list[Any], setup: Any, hops: list[Any], prompts: list[
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
+def cpu_times() -> dict[str, tuple[int, int]]:
+    """Per CPU (cpu0, cpu1, ...): (busy, total) jiffies since boot, from /proc/stat."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in fields]
+                idle = v[3] + v[4]
+                out[name] = (sum(v) - idle, sum(v))
+    return out
+
+
+def step_counts(urls: list[str]) -> dict[str, float]:
+    """Summed over the peers: windows stepped, windows that shared their step (weighted by the step's size: the sum
+    of the histogram), and the compute seconds of the steps each window was in (the forward histogram's sum)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = {"windows": 0.0, "batch_sum": 0.0, "compute_s": 0.0}
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            for s in family.samples:
+                if s.name == "dsd_peer_step_windows_count":
+                    total["windows"] += s.value
+                elif s.name == "dsd_peer_step_windows_sum":
+                    total["batch_sum"] += s.value
+                elif s.name == "dsd_peer_forward_step_seconds_sum":
+                    total["compute_s"] += s.value
+    return total
+
+
+def steps_of(before: dict[str, float], after: dict[str, float], cpu0: dict, cpu1: dict) -> dict[str, Any]:
+    """A cell's steps (`step_counts` after minus before) and each CPU's busy share over it."""
+    windows = after["windows"] - before["windows"]
+    return {
+        "windows": int(windows),
+        "mean_windows_per_step_seen": round((after["batch_sum"] - before["batch_sum"]) / windows, 3) if windows else None,
+        "compute_s_per_window": round((after["compute_s"] - before["compute_s"]) / windows, 4) if windows else None,
+        "cpu_busy": {c: round((cpu1[c][0] - cpu0[c][0]) / max(1, cpu1[c][1] - cpu0[c][1]), 3) for c in cpu1},
+    }
+
+
 def run_arm(batching: str, results: dict[str, Any], target: Path, setup: Any, prompts: list[list[int]],
             placement: Placement, args: argparse.Namespace, save: Any) -> None:
     """One testnet with the peers' batching `batching`; every (H, mode) cell it still lacks."""
@@ -177,7 +223,8 @@ def run_arm(batching: str, results: dict[str, Any], target: Path, setup: Any, pr
         return
     log(f"[batching {batching}] starting {args.peers} peers, {args.latency_ms:g} ms links; {len(todo)} cells to go")
     with testnet(target, args.peers, args.latency_ms, args.state / f"net-{batching}", peer_cpus=placement.peers,
-                 batching=batching) as state:
+                 batching=batching, metrics=args.metrics) as state:
+        urls = [p.metrics_url for p in state.peers if p.metrics_url and p.start is not None]
         log(f"  testnet up in {state.up_seconds:.1f} s")
 
         async def main() -> None:
@@ -194,7 +241,10 @@ def run_arm(batching: str, results: dict[str, Any], target: Path, setup: Any, pr
                 if warm["runs"] and "error" in warm["runs"][0]:
                     raise SystemExit(f"warm-up failed: {warm['runs'][0]['error']}")
                 for h, mode in todo:
+                    before, cpu0 = (step_counts(urls), cpu_times()) if args.metrics else (None, None)
                     cell = await run_cell(heads, setup, hops, prompts, mode, h, args)
+                    if args.metrics:
+                        cell["steps"] = steps_of(before, step_counts(urls), cpu0, cpu_times())
                     cell.update(key=cell_key(batching, h, mode), batching=batching, commit=git_commit())
                     for r in cell["runs"]:
                         if mode == "ar" and "tokens" in r:
@@ -226,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the real draft's quantization (default int8, as in the headline)")
     p.add_argument("--no-pin-head", dest="pin_head", action="store_false",
                    help="let the head and the peers share every CPU (default: the head on the first CPU alone)")
+    p.add_argument("--metrics", action="store_true", help="record the peers' step sizes and the CPUs' busy shares per cell")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench/swarm_load"), help="testnets and logs")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/swarm_load-DATE.json)")
     args = p.parse_args(argv)
