@@ -37,10 +37,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .records import PeerRecord
+from .records import FLOAT_FORMATS, PeerRecord
 
 TIE_NS = 1.0  # costs equal within a nanosecond count as a tie
-FLOAT_FORMATS = ("fp32", "bf16", "fp16")
 
 
 class NoRouteError(Exception):

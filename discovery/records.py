@@ -36,6 +36,7 @@ ROLES = ("block", "federated", "relay")
 REACHABILITY = ("public", "private", "unknown")  # unknown: no AutoNAT verdict (or a peer older than the field)
 WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")  # as `dsd.shard_store.quant` names them
 DTYPE_FORMATS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+FLOAT_FORMATS = tuple(DTYPE_FORMATS.values())
 MAX_RECORD_BYTES = 8 * 1024
 MAX_STR = 256
 MAX_ADDRS = 16

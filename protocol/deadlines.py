@@ -25,10 +25,27 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["DeadlineRule", "RoundPrior", "RoundTimes", "WindowTimer"]
+__all__ = ["DeadlineRule", "RoundPrior", "RoundTimes", "WindowTimer", "cost_line"]
+
+
+def cost_line(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
+    """(a, b) of seconds = a + b·tokens, least squares over (tokens, seconds) points, b clamped to [0, mean seconds /
+    mean tokens] and a ≥ 0; None while there are fewer than 3 points or the token counts have not varied (variance
+    below 1): a window's cost as a head measures its rounds and a peer its steps."""
+    pts = list(points)
+    if len(pts) < 3:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    if var < 1.0 or mx <= 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in pts) / var
+    slope = min(max(slope, 0.0), my / mx)
+    return max(my - slope * mx, 0.0), slope
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+from dsd.protocol.deadlines import cost_line
+
 __all__ = ["WindowController"]
 
 
@@ -239,18 +241,8 @@ class WindowController:
 
     def round_model(self) -> tuple[float, float]:
         """(a, b) of R(γ) = a + b·(γ+1), fitted on recent rounds; b = 0 while window sizes have not varied."""
-        r = self._round_s or 0.0
-        if len(self._rounds) < 3:
-            return r, 0.0
-        xs = [float(n) for n, _ in self._rounds]
-        ys = [t for _, t in self._rounds]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var < 1.0:
-            return r, 0.0
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-        slope = min(max(slope, 0.0), my / mx)
-        return max(my - slope * mx, 0.0), slope
+        fit = cost_line((float(n), t) for n, t in self._rounds)
+        return fit if fit is not None else (self._round_s or 0.0, 0.0)
 
     def expected_round_s(self, gamma: int) -> float | None:
         """R(γ): the expected trip of a window of γ drafts (None before any round was seen)."""

@@ -33,6 +33,7 @@ import numpy as np
 import trio
 
 from dsd.discovery.host import P2PNode
+from dsd.discovery.records import FLOAT_FORMATS
 from dsd.discovery.swarm import SwarmWatch
 from dsd.discovery.tasks import owned_nursery
 from dsd.node.head.backend import BackendError
@@ -167,15 +168,15 @@ class Audited:
     hops: tuple[Hop, ...]
 
 
-
 def replica_weights(formats: set[str]) -> str | None:
     """The weight format an audit's replica route must hold, given the audited route's: its own quantized format
     (no calibrated tolerance crosses formats), any float format for a float route (compared at the precision pair's
     tolerance); None for a route that mixes a quantized format with others (`generate --mix-weights`): no replica
     computes its model, so it is not audited."""
-    if formats <= {"fp32", "bf16", "fp16"}:
+    if formats <= set(FLOAT_FORMATS):
         return "float"
-    return formats.pop() if len(formats) == 1 else None
+    return next(iter(formats)) if len(formats) == 1 else None
+
 
 class Auditor:
     """Audits one generation's windows (see the module doc); `offer` each result, `check` before using the next,
@@ -373,7 +374,7 @@ class Auditor:
             return None
         avoid = dict.fromkeys(audited, "on the audited route")
         formats = {self.swarm.records[p].weight_format for p in audited if p in self.swarm.records}
-        weights = replica_weights(set(formats))
+        weights = replica_weights(formats)
         if weights is None:
             self.ledger.skip(f"the route mixes weight formats ({', '.join(sorted(formats))}): no replica computes "
                              "its model")

@@ -15,7 +15,7 @@ answer or error. A faulty peer's lying sessions (tests and demos) always step al
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,10 +62,6 @@ class Batcher:
         self.meter = LoadMeter()
         self._waiting: list[Job] = []
         self.steps = 0
-
-    def load(self, session: str, open_sessions: Collection[str] | None = None) -> float:
-        """What one more row of `session` costs the other (open) sessions on this span now (`LoadMeter.load`)."""
-        return self.meter.load(session, open_sessions)
 
     def report(self) -> LoadReport:
         """The span's recent load, with the rows waiting now (for the record)."""

@@ -419,7 +419,7 @@ class BlockServer:
         self.windows_served += 1
         wire = self.wire.encode(out)
         open_now = {sid for sid, _ in self.sessions}
-        load = min(msg.load + self.batcher.load(session.id, open_now), float(DEFAULT_LIMITS.max_route))
+        load = min(msg.load + self.batcher.meter.load(session.id, open_now), float(DEFAULT_LIMITS.max_route))
         reply: Message = (
             Result(session.id, msg.epoch, msg.start, wire, load)  # a row per node, in window order
             if session.last_hop

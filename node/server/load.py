@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+from dsd.protocol.deadlines import cost_line
+
 LOAD_WINDOW_S = 5.0  # the recent past a load is measured over
 MAX_STEPS = 256  # steps kept at most (a window's worth on a fast peer)
 
@@ -76,17 +78,11 @@ class LoadMeter:
     @staticmethod
     def row_seconds(steps: list[Step]) -> float:
         """b: seconds one more row adds to a step (see the module doc)."""
-        xs = [float(s.total) for s in steps]
-        ys = [s.seconds for s in steps]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        if mx <= 0:
-            return 0.0
-        bound = my / mx
-        var = sum((x - mx) ** 2 for x in xs)
-        if len(steps) < 3 or var < 1.0:
-            return bound
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-        return min(max(slope, 0.0), bound)
+        fit = cost_line((float(s.total), s.seconds) for s in steps)
+        if fit is not None:
+            return fit[1]
+        rows = sum(s.total for s in steps)
+        return sum(s.seconds for s in steps) / rows if rows else 0.0
 
     def load(self, session: str, open_sessions: Collection[str] | None = None, now: float | None = None) -> float:
         """What one more row of `session` costs the other sessions here (those in `open_sessions`, default every
