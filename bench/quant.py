@@ -7,11 +7,14 @@
    reads a fixed text teacher-forced: the first 10 HumanEval problems' prompts with their canonical solutions.
    Reported per format against fp32: token agreement (the share of positions whose most likely next token is
    fp32's) and the perplexity delta (ppl − fp32's ppl, both over every position of the text).
+   `--formats fp32,q4k` measures the target's q4k store (`convert --weights q4k`: the GGUF's own 4-bit blocks as they
+   are, its 6-bit tensors int8; written from the pinned GGUF on the first run) against fp32 in the same way.
 3. **The pinned cell with int4 spans** (unless `--no-cell`): `bench/dsd_sweep.py --peers 4 --ratios 5 --pin-head
    --weights int4 --modes ar,dsd` on the fixed 10 problems (`--cell-reps`, `--cell-tokens`), its summary folded in.
 
     python bench/quant.py                        # everything (≈ 40 min on 2 cores)
     python bench/quant.py --no-cell --reps 3     # spans and fidelity only
+    python bench/quant.py --no-cell --formats fp32,int4,q4k --out results/quant-DATE-q4k.json
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from harness import RESULTS_DIR, command_line, run_metadata, today, write_json
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
+ALL_FORMATS = (*FORMATS, "q4k")
 WINDOWS = (1, 4, 8, 16)
 TEXT_PROBLEMS = 10  # fixed before any run: HumanEval problems 0..9, prompt + canonical solution
 
@@ -39,18 +43,19 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def load_span(store: Any, fmt: str, layers: int) -> Any:
-    return store.load_span(0, layers, weights=None if fmt == "fp32" else fmt)
+def load_span(stores: dict[str, Any], fmt: str, layers: int) -> Any:
+    return stores[fmt].load_span(0, layers, weights=None if fmt == "fp32" else fmt)
 
 
-def span_figures(store: Any, layers: int, reps: int, context: int = 160) -> dict[str, dict[str, Any]]:
+def span_figures(stores: dict[str, Any], layers: int, reps: int, context: int = 160) -> dict[str, dict[str, Any]]:
     """Bytes held and t0(w) per format (see the module doc)."""
     import torch
 
     from dsd.shard_store.quant import held_bytes
 
-    spans = {fmt: load_span(store, fmt, layers) for fmt in FORMATS}
-    hidden = int(store.manifest.hidden_size)
+    fmts = tuple(stores)  # the formats of this run, in order
+    spans = {fmt: load_span(stores, fmt, layers) for fmt in fmts}
+    hidden = int(stores["fp32"].manifest.hidden_size)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randn(1, context, hidden, generator=gen)
     caches = {}
@@ -58,7 +63,7 @@ def span_figures(store: Any, layers: int, reps: int, context: int = 160) -> dict
         for fmt, span in spans.items():
             caches[fmt] = span.new_cache()
             span(prompt, 0, caches[fmt])
-        times: dict[str, dict[int, list[float]]] = {f: {w: [] for w in WINDOWS} for f in FORMATS}
+        times: dict[str, dict[int, list[float]]] = {f: {w: [] for w in WINDOWS} for f in fmts}
         for rep in range(reps + 1):  # the first pass warms every kernel up and is not kept
             for fmt, span in spans.items():
                 for w in WINDOWS:
@@ -69,9 +74,9 @@ def span_figures(store: Any, layers: int, reps: int, context: int = 160) -> dict
                     if rep:
                         times[fmt][w].append(time.perf_counter() - t)
             if rep:
-                log(f"  rep {rep}: " + ", ".join(f"{f} t0(1) {statistics.median(times[f][1]) * 1000:.1f} ms" for f in FORMATS))
+                log(f"  rep {rep}: " + ", ".join(f"{f} t0(1) {statistics.median(times[f][1]) * 1000:.1f} ms" for f in fmts))
     out: dict[str, dict[str, Any]] = {}
-    for fmt in FORMATS:
+    for fmt in fmts:
         out[fmt] = {
             "span_bytes": held_bytes(spans[fmt]),
             "t0_ms": {str(w): round(statistics.median(times[fmt][w]) * 1000, 3) for w in WINDOWS},
@@ -91,13 +96,14 @@ def fixed_text(tokenizer: Any) -> list[list[int]]:
     return [tokenizer.encode(p["prompt"] + p["canonical_solution"]) for p in problems]
 
 
-def read_text(store: Any, fmt: str, texts: list[list[int]]) -> tuple[list[Any], float]:
+def read_text(stores: dict[str, Any], fmt: str, texts: list[list[int]]) -> tuple[list[Any], float]:
     """The whole model in `fmt` over each text, teacher-forced: per text its argmax tokens, and the perplexity."""
     import torch
 
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+    store = stores[fmt]
     head = store.load_head(dtype=dtype)
-    span = load_span(store, fmt, store.num_layers)
+    span = load_span(stores, fmt, store.num_layers)
     nll, count, argmax = 0.0, 0, []
     with torch.inference_mode():
         for ids in texts:
@@ -112,16 +118,16 @@ def read_text(store: Any, fmt: str, texts: list[list[int]]) -> tuple[list[Any], 
     return argmax, math.exp(nll / count)
 
 
-def fidelity(store: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
+def fidelity(stores: dict[str, Any], tokenizer: Any) -> dict[str, dict[str, Any]]:
     """Token agreement with fp32 and perplexity delta per format (see the module doc)."""
     import torch
 
     texts = fixed_text(tokenizer)
-    ref, ref_ppl = read_text(store, "fp32", texts)
+    ref, ref_ppl = read_text(stores, "fp32", texts)
     out: dict[str, dict[str, Any]] = {"fp32": {"token_agreement": 1.0, "ppl": round(ref_ppl, 4), "ppl_delta": 0.0}}
     log(f"  fp32: ppl {ref_ppl:.4f} over {sum(map(len, texts))} tokens")
-    for fmt in FORMATS[1:]:
-        got, ppl = read_text(store, fmt, texts)
+    for fmt in [f for f in stores if f != "fp32"]:
+        got, ppl = read_text(stores, fmt, texts)
         same = sum(int((a == b).sum()) for a, b in zip(got, ref, strict=True))
         total = sum(int(torch.numel(a)) for a in ref)
         out[fmt] = {"token_agreement": round(same / total, 4), "ppl": round(ppl, 4), "ppl_delta": round(ppl - ref_ppl, 4)}
@@ -149,7 +155,9 @@ def targets(formats: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets against fp32: bytes (int4 ≤ 0.2×, int8 ≤ 0.3×), t0(1) ≤ 0.6×, t0(8) ≤ 1.1×."""
     fp = formats["fp32"]
     out = {}
-    for fmt, cap in (("int8", 0.3), ("int4", 0.2)):
+    for fmt, cap in (("int8", 0.3), ("int4", 0.2), ("q4k", 0.2)):
+        if fmt not in formats:
+            continue
         f = formats[fmt]
         out[fmt] = {"bytes_ratio": round(f["span_bytes"] / fp["span_bytes"], 4), "bytes_target": cap,
                     "t0_1_ratio": round(f["t0_ms"]["1"] / fp["t0_ms"]["1"], 4), "t0_1_target": 0.6,
@@ -161,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from dsd.shard_store import Store
-    from dsd.shard_store.default_models import default_store_paths, prepared
+    from dsd.shard_store.default_models import TARGET, default_store_paths, prepare_model, prepared
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=7, help="layers of the measured span (default 7: N = 4 peers)")
@@ -170,28 +178,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-cell", dest="cell", action="store_false", help="skip the pinned cell with int4 spans")
     p.add_argument("--cell-reps", type=int, default=1, help="the cell's repetitions of every prompt (default 1)")
     p.add_argument("--cell-tokens", type=int, default=64, help="the cell's new tokens per generation (default 64)")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"formats to measure, fp32 first (of {', '.join(ALL_FORMATS)}; default {','.join(FORMATS)})")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/quant-DATE.json)")
     args = p.parse_args(argv)
+    chosen = args.formats.split(",")
+    if chosen[0] != "fp32" or not set(chosen) <= set(ALL_FORMATS):
+        p.error(f"--formats: fp32 first, then any of {', '.join(ALL_FORMATS[1:])}")
     if not prepared():
         raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
     out = args.out or RESULTS_DIR / f"quant-{today()}.json"
     torch.set_num_threads(args.threads)
     store = Store(default_store_paths()["target"])
+    stores = {fmt: store for fmt in chosen}
+    if "q4k" in chosen:
+        log("the target's q4k store (from the pinned GGUF, once)")
+        stores["q4k"] = Store(prepare_model(TARGET, weights="q4k").store)
     results: dict[str, Any] = {**run_metadata("quant", args), "layers": args.layers, "threads": args.threads,
                                "windows": list(WINDOWS), "int4_group": 128}
     log(f"spans: layers 0:{args.layers}, {args.reps} reps, {args.threads} threads")
-    formats = span_figures(store, args.layers, args.reps)
+    formats = span_figures(stores, args.layers, args.reps)
     results["formats"] = formats
     results["targets"] = targets(formats)
     write_json(out, results)
     log("fidelity: the whole model per format over the fixed text")
-    for fmt, figures in fidelity(store, store.load_tokenizer()).items():
+    for fmt, figures in fidelity(stores, store.load_tokenizer()).items():
         if fmt == "text":
             results["fidelity_text"] = figures
         else:
             formats[fmt].update(figures)
     write_json(out, results)
-    if args.cell:
+    if args.cell and "int4" in chosen:
         log("the pinned cell with int4 spans")
         results["pinned_cell_int4"] = pinned_cell(args, out)
         write_json(out, results)

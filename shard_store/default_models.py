@@ -85,7 +85,7 @@ def default_cache(cache: str | Path | None = None) -> Path:
 
 
 def store_path(model: DefaultModel, cache: str | Path | None = None, dtype: str = "float32") -> Path:
-    """Where the store of one default model lives (one store per dtype)."""
+    """Where the store of one default model lives (one store per dtype, or per quantized weight format)."""
     return default_cache(cache) / "stores" / f"{model.model_id}-{dtype}"
 
 
@@ -255,15 +255,17 @@ def prepare_model(
     keep_gguf: bool = False,
     progress: Progress | None = None,
     on_step: Callable[[str, DefaultModel], None] | None = None,
+    weights: str | None = None,
 ) -> PrepareStep:
     """Make sure `model`'s store exists: assemble + verify its GGUF if needed, convert once, tidy up.
 
     Does nothing when the store is already complete. Unless keep_gguf, the assembled GGUF is deleted
     after a successful conversion; its verification marker stays as the record of what was converted.
+    `weights` (int8 | int4 | q4k) writes a quantized store instead, named for the format.
     """
     from dsd.shard_store.writer import convert
 
-    store = store_path(model, cache, dtype)
+    store = store_path(model, cache, weights or dtype)
     step = PrepareStep(model=model, store=store)
     if store_complete(store):
         return step
@@ -285,6 +287,7 @@ def prepare_model(
         model_id=model.model_id,
         overwrite=(store / MANIFEST_NAME).exists(),
         progress=progress,
+        weights=weights,
     )
     step.converted = True
     step.seconds["convert"] = time.perf_counter() - started

@@ -60,7 +60,7 @@ class Manifest:
     tied_embeddings: bool = False
     source: str = ""
     eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation (see writer)
-    weights: str = ""  # "" a float store in `dtype`; int8 | int4: its layers' linears held quantized (`quant.py`)
+    weights: str = ""  # "" a float store in `dtype`; int8 | int4 | q4k: its layers' linears held quantized (`quant.py`)
 
     @property
     def total_bytes(self) -> int:
@@ -134,8 +134,8 @@ class Manifest:
         if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
             raise StoreError("manifest: eos_token_ids must be a list of token ids")
         weights = data.get("weights", "")
-        if weights not in ("", "int8", "int4"):
-            raise StoreError(f"manifest: weights {weights!r} is not int8 or int4 (or absent: a float store)")
+        if weights not in ("", "int8", "int4", "q4k"):
+            raise StoreError(f"manifest: weights {weights!r} is not int8, int4 or q4k (or absent: a float store)")
         if weights and data["dtype"] != "bfloat16":
             raise StoreError(f"manifest: a store of {weights} weights computes in bfloat16, not {data['dtype']}")
         required = [EMBED_FILE, HEAD_FILE] + [layer_file(i) for i in range(data["num_layers"])]

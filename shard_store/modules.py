@@ -114,8 +114,10 @@ class SpanModule(nn.Module):
         start: int,
         end: int,
         layers: list[nn.Module],
+        weights: str | None = None,
     ) -> None:
         super().__init__()
+        self._weights = weights  # the format its loader packed (None: read from its modules)
         if len(layers) != end - start:
             raise StoreError(f"span [{start}, {end}) needs {end - start} layers, got {len(layers)}")
         self.adapter = adapter
@@ -143,7 +145,9 @@ class SpanModule(nn.Module):
 
     @property
     def weights(self) -> str:
-        """The span's weight format: int8 or int4 when its linears are packed (`quant.py`), else its float dtype's."""
+        """The span's weight format: as its loader packed it (int8, int4, q4k: `quant.py`), else its float dtype's."""
+        if self._weights is not None:
+            return self._weights
         for m in self.layers.modules():
             if isinstance(m, Int8Linear):
                 return "int8"
@@ -158,7 +162,7 @@ class SpanModule(nn.Module):
         if not self.start <= start < end <= self.end:
             raise StoreError(f"[{start}, {end}) is not inside this span [{self.start}, {self.end})")
         layers = list(self.layers)[start - self.start : end - self.start]
-        return SpanModule(self.adapter, self.config, start, end, layers)
+        return SpanModule(self.adapter, self.config, start, end, layers, self._weights)
 
     def new_cache(self, max_length: int | None = None) -> SpanCache:
         """An empty KV cache for this span (optionally refusing to grow past max_length positions); its

@@ -12,6 +12,11 @@ slower than fp32 itself).
   w ≈ (q − 8)·s + zero with zero = min + 8·s; `torch._weight_int4pack_mm_for_cpu` (packed with
   `_convert_weight_to_int4pack_for_cpu`, inner k tiles 2; it needs N a multiple of 16, else the linear stays bf16).
 
+- `q4k`: a GGUF's own 4-bit tensors taken as they are (`gguf_quant.py`, `dsd-node convert --weights q4k`): each
+  Q4_K / Q4_0 / Q4_1 block of 32 weights becomes an int4 group of 32 with that block's scale and zero (rounded to
+  bf16, which the kernel takes), its 5-, 6- and 8-bit tensors (Q5_K, Q6_K, Q8_0, …) int8 per channel; no float
+  detour and no second rounding of the 4-bit weights. Only a GGUF gives it: a float store cannot.
+
 Quantizing is deterministic: the same float weights give the same packed weights, so a span of a route and the same
 layers run whole in one process compute the same numbers. Embeddings, the final norm and lm_head (the head's) stay
 in the head's float dtype. The packed kernels are CPU kernels: another device gets a clear error.
@@ -19,18 +24,21 @@ in the head's float dtype. The packed kernels are CPU kernels: another device ge
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "q4k")
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANT_FORMATS = ("int8", "int4")
+QUANT_FORMATS = ("int8", "int4", "q4k")
+Q4K_GROUP = 32  # a GGUF 4-bit block's weights per scale (and zero)
 INT4_GROUP = 128
 INT4_GROUPS = (128, 64, 32)  # group sizes tried in order: the first that divides a row's inputs
 INT4_TILES = 2
 COMPUTE_DTYPE = torch.bfloat16  # what a quantized span computes in
+Q4K_ONLY_FROM_GGUF = ("q4k weights are a GGUF's own 4-bit tensors, which a float store no longer has: write a q4k store "
+                      "with `dsd-node convert --weights q4k FILE.gguf OUT` and serve it, or serve int4 from this one")
 
 
 class WeightFormatError(ValueError):
@@ -47,16 +55,21 @@ def check_weights(fmt: str, device: torch.device | str | None = None) -> str:
             raise WeightFormatError(
                 f"--weights {fmt} runs on torch's CPU kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu); "
                 f"this span is on {dev}: serve bf16 or fp16 there")
-        op = "_weight_int8pack_mm" if fmt == "int8" else "_weight_int4pack_mm_for_cpu"
-        if not hasattr(torch.ops.aten, op):
-            raise WeightFormatError(f"--weights {fmt}: this torch ({torch.__version__}) has no aten.{op}")
+        ops = {"int8": ("_weight_int8pack_mm",), "int4": ("_weight_int4pack_mm_for_cpu",)}.get(
+            fmt, ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"))
+        for op in ops:
+            if not hasattr(torch.ops.aten, op):
+                raise WeightFormatError(f"--weights {fmt}: this torch ({torch.__version__}) has no aten.{op}")
     return fmt
 
 
 def bytes_per_weight(fmt: str) -> float:
     """What one weight of a layer costs held in `fmt` (int8: a byte and its row's bf16 scale amortized; int4: half a
-    byte and a bf16 scale and zero per group of 128); norms and biases, a few in a thousand, are counted alike."""
-    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / INT4_GROUP}[check_weights(fmt)]
+    byte and a bf16 scale and zero per group of 128; q4k: per group of 32, and its 6-bit tensors, a sixth of a layer's
+    weights in a Q4_K_M file, a byte); norms and biases, a few in a thousand, are counted alike."""
+    q4k = (5 * (0.5 + 4 / Q4K_GROUP) + 1.0) / 6
+    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 2 / 1536, "int4": 0.5 + 4 / INT4_GROUP,
+            "q4k": q4k}[check_weights(fmt)]
 
 
 def compute_dtype(fmt: str) -> torch.dtype:
@@ -106,8 +119,10 @@ class Int8Linear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.to(torch.int8))
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+        # copies: a store's tensors are memory-mapped at any byte offset, and the kernel's vector loads need the
+        # allocator's alignment (a misaligned bf16 scale vector crashes it)
+        self.register_buffer("qweight", qweight.to(torch.int8).clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE).clone(memory_format=torch.contiguous_format))
         self.register_buffer("bias", None if bias is None else bias.to(COMPUTE_DTYPE))
 
     @classmethod
@@ -140,7 +155,7 @@ class Int4Linear(nn.Module):
         self.group = self.in_features // int(scales_zeros.shape[0])
         self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                                 INT4_TILES))
-        self.register_buffer("scales_zeros", scales_zeros.to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("scales_zeros", scales_zeros.to(COMPUTE_DTYPE).clone(memory_format=torch.contiguous_format))
         self.register_buffer("bias", None if bias is None else bias.to(COMPUTE_DTYPE))
 
     @classmethod
@@ -161,6 +176,8 @@ def quantize_linears(module: nn.Module, fmt: str) -> list[str]:
     """Replace every `nn.Linear` inside `module` by its `fmt` (int8 | int4) form, then cast what is left (norms,
     the linears int4 cannot take) to bf16; returns the names of the linears kept in bf16."""
     check_weights(fmt)
+    if fmt == "q4k":
+        raise WeightFormatError(Q4K_ONLY_FROM_GGUF)
     if fmt not in QUANT_FORMATS:
         raise WeightFormatError(f"quantize_linears takes int8 or int4, not {fmt!r}")
     kept: list[str] = []
@@ -189,18 +206,27 @@ def held_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def stored_tensors(layer: nn.Module, fmt: str) -> dict[str, torch.Tensor]:
+def stored_tensors(layer: nn.Module, fmt: str,
+                   packed: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """A float layer's tensors as a quantized store holds them in `fmt`: per linear `NAME.qweight` (int8) or
     `NAME.q4` (4-bit values two to a byte, `pack_nibbles`) with `NAME.scales` / `NAME.scales_zeros` and its bias,
-    every other tensor (norms, linears int4 cannot take) in bf16 under its own name."""
+    every other tensor (norms, linears int4 cannot take) in bf16 under its own name. `packed` (q4k): per linear, the
+    tensors a GGUF gave as they are (`gguf_quant.py`; empty: kept bf16); a q4k linear it lacks is held int8."""
     check_weights(fmt)
     if fmt not in QUANT_FORMATS:
-        raise WeightFormatError(f"a quantized store holds int8 or int4, not {fmt!r}")
+        raise WeightFormatError(f"a quantized store holds {', '.join(QUANT_FORMATS)}, not {fmt!r}")
+    if fmt == "q4k" and packed is None:
+        raise WeightFormatError(Q4K_ONLY_FROM_GGUF)
+    packed = packed or {}
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for name, lin in _linears(layer):
         group = int4_group(lin.in_features, lin.out_features) if fmt == "int4" else None
-        if fmt == "int8":
+        if name in packed:
+            if not packed[name]:
+                continue
+            out.update({f"{name}.{key}": value for key, value in packed[name].items()})
+        elif fmt in ("int8", "q4k"):
             out[f"{name}.qweight"], out[f"{name}.scales"] = int8_quantize(lin.weight)
         elif group is not None:
             q, out[f"{name}.scales_zeros"] = int4_quantize(lin.weight, group)

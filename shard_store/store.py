@@ -113,8 +113,9 @@ class Store:
 
     def _packed(self, key: str, tensor: torch.Tensor) -> bool:
         """A quantized store's integer tensor (int8 `.qweight`, 4-bit `.q4`), of the dtype its format stores."""
-        want = {"int8": (".qweight", torch.int8), "int4": (".q4", torch.uint8)}.get(self.manifest.weights)
-        return want is not None and key.endswith(want[0]) and tensor.dtype == want[1]
+        int8, int4 = (".qweight", torch.int8), (".q4", torch.uint8)
+        wants = {"int8": (int8,), "int4": (int4,), "q4k": (int4, int8)}.get(self.manifest.weights, ())
+        return any(key.endswith(suffix) and tensor.dtype == dtype for suffix, dtype in wants)
 
     def span_files(self, start: int, end: int) -> list[str]:
         """Relpaths of the weight files a span [start, end) reads."""
@@ -205,7 +206,7 @@ class Store:
             layer = self._layer(config, i, dev, torch.float32)
             quantize_linears(layer, weights)
             layers.append(layer)
-        return SpanModule(self.adapter, config, start, end, layers)
+        return SpanModule(self.adapter, config, start, end, layers, weights)
 
     def _load_quantized_span(self, start: int, end: int, config: PretrainedConfig, device: torch.device,
                              weights: str | None) -> SpanModule:
@@ -229,7 +230,7 @@ class Store:
             if left:
                 raise StoreError(f"store {self.path}: {relpath} does not fit the model as {held} weights: {left}")
             layers.append(layer)
-        return SpanModule(self.adapter, config, start, end, layers)
+        return SpanModule(self.adapter, config, start, end, layers, held)
 
     def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:
         """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model."""

@@ -237,10 +237,13 @@ def convert(
     gguf_file: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    weights: str | None = None,
 ) -> Manifest:
     """Convert an HF model folder or a GGUF file (a .gguf path, or a folder + gguf_file) into a store.
 
-    The tokenizer is copied when the source has one; a model without a tokenizer converts fine.
+    The tokenizer is copied when the source has one; a model without a tokenizer converts fine. `weights` int8 |
+    int4 | q4k writes a quantized store (`quantize_store`; q4k: a GGUF's own 4-bit blocks, `gguf_quant.py`) through
+    a float32 store written and removed beside `out`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -261,6 +264,9 @@ def convert(
         if gguf_file is None and not (folder / "config.json").is_file():
             raise StoreError(f"{folder} is not a Hugging Face model folder: no config.json")
     _check_out(Path(out), overwrite)
+    if weights is not None:
+        return _convert_quantized(folder, gguf_file, Path(out), weights, model_id=model_id, overwrite=overwrite,
+                                  progress=progress)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     started = time.perf_counter()
     if gguf_file:  # refused before the slow load when transformers would not reproduce the file's model
@@ -295,11 +301,45 @@ def convert(
     return manifest
 
 
+def _convert_quantized(folder: Path, gguf_file: str | None, out: Path, weights: str, *, model_id: str | None,
+                       overwrite: bool, progress: Progress | None) -> Manifest:
+    """`convert` into a quantized store: a float32 store beside `out` (removed after), then `quantize_store`; for
+    q4k the GGUF's layer types are checked before the load and its 4-bit blocks taken as they are."""
+    from .gguf_quant import packed_layers, plan_q4k
+    from .gguf_source import check_gguf
+    from .quant import QUANT_FORMATS, check_weights
+    from .store import Store
+
+    check_weights(weights)
+    if weights not in QUANT_FORMATS:
+        raise StoreError(f"convert --weights takes {', '.join(QUANT_FORMATS)} (a float store: --dtype), not {weights!r}")
+    if weights == "q4k" and not gguf_file:
+        raise StoreError("--weights q4k takes a GGUF's own 4-bit tensors: give a .gguf file (an HF folder: int4)")
+    plan = plan_q4k(folder / gguf_file, check_gguf(folder / gguf_file)) if weights == "q4k" else None
+    floats = out.parent / f".{out.name}.float32-{os.getpid()}"
+    try:
+        src = folder / gguf_file if gguf_file else folder
+        convert(src, floats, dtype="float32", model_id=model_id, overwrite=True, progress=progress)
+        packed = None
+        if plan is not None:
+            assert gguf_file is not None
+            model = Store(floats).load_full()
+            packed = packed_layers(folder / gguf_file, model, plan)
+            del model
+            log.info("q4k: %s", ", ".join(f"{n} {kind} linears" for kind, n in plan.counts().items()))
+        return quantize_store(floats, out, weights, overwrite=overwrite, progress=progress, packed=packed)
+    finally:
+        if floats.exists():
+            shutil.rmtree(floats)
+
+
 def quantize_store(src: str | Path, out: str | Path, weights: str, *, overwrite: bool = False,
-                   progress: Progress | None = None) -> Manifest:
+                   progress: Progress | None = None,
+                   packed: dict[int, dict[str, dict[str, torch.Tensor]]] | None = None) -> Manifest:
     """A float store's copy at `out` holding its layers' linears in `weights` (int8 | int4, `quant.stored_tensors`),
     the rest of each layer and the head's files (embeddings, final norm, lm_head) in bfloat16, the tokenizer as it
-    is; every file hashed into the manifest like any store's, so peers fetch and verify the quantized bytes."""
+    is; every file hashed into the manifest like any store's, so peers fetch and verify the quantized bytes. q4k takes
+    `packed` (`gguf_quant.packed_layers`): per layer, what the GGUF gave of each linear."""
     from .quant import QUANT_FORMATS, check_weights, stored_tensors
     from .store import Store
 
@@ -318,7 +358,9 @@ def quantize_store(src: str | Path, out: str | Path, weights: str, *, overwrite:
         total = m.num_layers + 2
         for i in range(m.num_layers):
             path = staging / layer_file(i)
-            _save_tensors(path, stored_tensors(source._layer(config, i, torch.device("cpu"), torch.float32), weights))
+            layer = source._layer(config, i, torch.device("cpu"), torch.float32)
+            given = None if packed is None else packed.get(i, {})
+            _save_tensors(path, stored_tensors(layer, weights, given))
             files[layer_file(i)] = {"sha256": sha256_file(path), "size": path.stat().st_size}
             if progress is not None:
                 progress("weights", i + 1, total)

@@ -74,7 +74,7 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=COMPUTE_DTYPES, default="auto", help="compute dtype, whatever the store holds (cast at load): auto = bfloat16 on CUDA GPUs that support it, float16 on other GPUs, float32 on the CPU (bit-exact; default auto)")
 
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "int8", "int4")  # spelled out: `--help` loads no torch
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "q4k")  # spelled out: `--help` loads no torch
 
 
 def add_weights_option(p: argparse.ArgumentParser, whose: str) -> None:
@@ -82,7 +82,8 @@ def add_weights_option(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help=f"the format {whose} weights are held "
                    "in: auto = the --dtype's; fp32 | bf16 | fp16 set the dtype; int8 (per-channel scales) | int4 "
                    "(groups of 128) pack every linear of the layers and compute in bfloat16, on the CPU (5× and 8× "
-                   "fewer bytes than fp32); embeddings and lm_head stay in the dtype (default auto)")
+                   "fewer bytes than fp32); q4k: a store converted with `convert --weights q4k` from a GGUF, its own "
+                   "4-bit blocks as they are; embeddings and lm_head stay in the dtype (default auto)")
 
 
 def add_listen_option(p: argparse.ArgumentParser, whose: str) -> None:

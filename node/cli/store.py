@@ -68,6 +68,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 gguf_file=args.gguf_file,
                 overwrite=args.overwrite,
                 progress=progress,
+                weights=args.weights,
             )
         summary = Store(args.out).summary()
     except StoreError as exc:
@@ -290,6 +291,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight dtype of the store")
     p.add_argument("--model-id", default=None, help="model id recorded in the manifest (default: the source name)")
     p.add_argument("--gguf-file", default=None, metavar="NAME", help="GGUF file name inside SRC when SRC is a folder")
+    p.add_argument("--weights", choices=["int8", "int4", "q4k"], default=None,
+                   help="write a quantized store (default: a float store in --dtype): int8 | int4 from the weights' "
+                        "values; q4k from a GGUF, its own 4-bit blocks as they are (int4 groups of 32) and its wider "
+                        "tensors int8 (docs/quantization.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_convert)

@@ -63,6 +63,8 @@ async def prepare(cfg: DaemonConfig) -> Prepared:
         cfg, fetched = await fetch_store(cfg)
     assert cfg.store is not None
     store = Store(cfg.store)
+    if cfg.weights in (None, "auto") and store.manifest.weights and not cfg.federated:
+        placement = resolve_placement(cfg.device, cfg.dtype, store.manifest.weights)  # a quantized store's own
     want = plan_layers(cfg, store, placement)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

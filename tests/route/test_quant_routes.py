@@ -66,3 +66,29 @@ def test_a_quantized_route_gives_the_quantized_models_own_greedy_tokens(
             ref = trio.run(HeadEngine(backend_spans, None, GenerationConfig(mode="ar", max_new_tokens=N_NEW)).run,
                            PROMPT).tokens
             assert json.loads(mixed.stdout)["tokens"] == ref
+
+
+def test_a_q4k_route_gives_the_q4k_models_own_greedy_tokens(tiny_qwen2_draft_store: Path, tmp_path: Path) -> None:
+    """Peers serving a store converted with `--weights q4k` (the GGUF's own 4-bit blocks): exact as whole."""
+    from support.gguf_files import write_tiny_gguf
+    from support.models import make_tiny_model, tiny_tokenizer
+
+    from dsd.shard_store import convert
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(make_tiny_model("qwen2", layers=4, hidden_size=256, intermediate_size=256, seed=5), gguf_path,
+                    tiny_tokenizer(), types={"attn_q": "Q4_K", "attn_k": "Q4_0", "ffn_": "Q4_K", "attn_v": "Q8_0"})
+    store_path = tmp_path / "q4k"
+    convert(gguf_path, store_path, weights="q4k")
+    store = Store(store_path)
+    state = tmp_path / "testnet"
+    with cli_testnet(state, "--store", str(store_path), "--peers", "2", "--record-ttl", "10") as net:
+        ready = [json.loads(p.read_text()) for p in sorted((state / "ready").glob("peer*.json"))]
+        assert {(r["weights"], r["dtype"]) for r in ready} == {("q4k", "bfloat16")}  # auto: the store's own
+        want = whole(store, "q4k", [(0, store.num_layers)])
+        for mode, extra in (("ar", []), ("dsd", ["--draft", str(tiny_qwen2_draft_store)])):
+            out = cli("generate", "--bootstrap", net["bootstrap"], "--store", str(store_path), "--threads", "1",
+                      "--json", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(N_NEW),
+                      "--mode", mode, "--weights", "q4k", *extra)
+            assert out.returncode == 0, out.stderr[-3000:]
+            assert json.loads(out.stdout)["tokens"] == want, mode

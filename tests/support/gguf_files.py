@@ -27,8 +27,11 @@ GGUF_ARCH = {
 }
 
 
-def write_tiny_gguf(model: torch.nn.Module, path: Path, tokenizer: Any = None, *, name: str | None = None) -> None:
-    """Write `model` (and optionally its byte-level BPE `tokenizer`) as an F32 GGUF at `path`."""
+def write_tiny_gguf(model: torch.nn.Module, path: Path, tokenizer: Any = None, *, name: str | None = None,
+                    types: dict[str, str] | None = None) -> None:
+    """Write `model` (and optionally its byte-level BPE `tokenizer`) as an F32 GGUF at `path`; `types` stores each
+    tensor whose name contains a key in that GGML type instead (Q4_K by `q4_k_blocks`, Q4_0/Q4_1/Q8_0 by gguf's own
+    quantizer, any other type as random bytes of the right size: a file only `plan_q4k` reads)."""
     import gguf
 
     cfg = model.config
@@ -42,11 +45,56 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, tokenizer: Any = None, *
     if tokenizer is not None:
         write_tokenizer(writer, tokenizer)
     for tensor_name, array in tensors.items():
-        writer.add_tensor(tensor_name, array)
+        kind = next((t for key, t in (types or {}).items() if key in tensor_name and array.ndim == 2), None)
+        if kind is None:
+            writer.add_tensor(tensor_name, array)
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(tensor_name, quantized_blocks(array, kind), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantized_blocks(array: np.ndarray, kind: str) -> np.ndarray:
+    """A float [n, k] array as the raw bytes of GGML type `kind` ([n, bytes per row])."""
+    import gguf
+
+    if kind == "Q4_K":
+        return q4_k_blocks(array)
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize(array.astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(array.shape[0], array.shape[1] // block * size), dtype=np.uint8)
+
+
+def q4_k_blocks(array: np.ndarray) -> np.ndarray:
+    """A float [n, k] array (k a multiple of 256) as Q4_K blocks, laid out as llama.cpp's block_q4_K (fp16 d and
+    dmin, twelve bytes of 6-bit sub-scales and sub-mins, 128 bytes of nibbles): min-max per sub-block of 32,
+    w ≈ d·sc·q − dmin·m (gguf reads it back; it has no Q4_K quantizer of its own)."""
+    x = array.astype(np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(x.min(axis=-1), 0.0), np.maximum(x.max(axis=-1), 0.0)
+    scale, mins = (hi - lo) / 15.0, -lo
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(axis=-1) / 63.0).astype(np.float16)
+    df, dminf = np.maximum(d.astype(np.float32), 1e-8), np.maximum(dmin.astype(np.float32), 1e-8)
+    sc = np.clip(np.round(scale / df[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / dminf[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.round((x + offset[..., None]) / np.maximum(step, 1e-8)[..., None]), 0, 15).astype(np.uint8)
+    packed = np.zeros((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = q.reshape(-1, 4, 2, 32)
+    nibbles = (qs[:, :, 0, :] | (qs[:, :, 1, :] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), packed, nibbles],
+                            axis=1)
+    return blocks.reshape(array.shape[0], -1)
 
 
 def _add(writer: Any, key: str, value: Any) -> None:
