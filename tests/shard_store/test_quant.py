@@ -141,3 +141,15 @@ def test_a_quantized_store_holds_the_packed_bytes_and_serves_what_quantizing_at_
         q.load_full()
     again = cli("store", "quantize", str(out), str(tmp_path / "twice"), "--weights", fmt, timeout=60)
     assert again.returncode != 0 and f"already holds {fmt} weights" in again.stderr
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_packed_linear_gives_a_row_the_same_numbers_alone_or_in_a_window(fmt: str) -> None:
+    """The kernels are row-invariant: a window's rows come out bit for bit as one-row steps (what keeps a quantized
+    route's windows and `ar` steps apart only by attention's rounding; docs/quantization.md)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 512)
+    packed = Int8Linear.from_linear(linear) if fmt == "int8" else Int4Linear.from_linear(linear, 128)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), torch.cat([packed(x[i : i + 1]) for i in range(8)]))
