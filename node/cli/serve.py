@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_head_options(p, store_help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
     p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="drafter, loaded once and shared by every request (default ngram: model-free prompt lookup)")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (default none)")
+    p.add_argument("--head-batching", choices=("on", "off"), default="on", help="run the draft forwards of every request waiting at once as one forward over one shared token tree (default on; off: each request drafts alone, as before)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
     p.add_argument("--gamma-max", type=int, default=16, help="largest draft window (default 16)")
     p.add_argument("--tau-max", type=float, default=0.3, help="dsd-adaptive only: largest relaxation (default 0.3, LOSSY)")
@@ -114,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
         deadline=deadline_rule(args),
         max_context=args.max_context, default_max_tokens=args.max_tokens_default, audit=audit,
+        head_batching=args.head_batching == "on",
     )
     cfg = ServeConfig(
         bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,

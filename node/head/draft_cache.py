@@ -79,6 +79,21 @@ class DraftCache:
         self._reindex()
         return len(cols)
 
+    def keep(self, contexts: Sequence[Sequence[int]]) -> None:
+        """Keep only the columns on the held prefixes of `contexts` (a shared tree's live generations), in order."""
+        cols = sorted({col for ctx in contexts for col in self.match([int(t) for t in ctx])})
+        if len(cols) == len(self.tokens):
+            return
+        if not cols:
+            self.reset()
+            return
+        self._select(cols)
+        index = {col: i for i, col in enumerate(cols)}
+        self.parents = [index[self.parents[c]] if self.parents[c] >= 0 else -1 for c in cols]
+        self.tokens = [self.tokens[c] for c in cols]
+        self.depths = [self.depths[c] for c in cols]
+        self._reindex()
+
     def extend(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Next-token logits [len(contexts), V] of each context, feeding all missing tokens in one forward.
 

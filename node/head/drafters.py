@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .draft_cache import DraftCache
 from .sampling import GumbelNoise, SamplingParams, softmax, warp
+
+if TYPE_CHECKING:
+    from .draft_batch import SessionTree
 
 __all__ = [
     "NgramDrafter",
@@ -190,7 +193,8 @@ class ModelDrafter:
     `settle(context)` drops every cached branch but that context's.
     Returned q rows are the warped distributions when sampling and the untempered
     softmax when greedy (informative for adaptive verification and for choosing
-    outcome branches; the greedy verifier ignores q).
+    outcome branches; the greedy verifier ignores q). With `tree` (a serving head's
+    `JointDrafts.session()`) its forwards join every other generation's (`draft_batch.py`).
     """
 
     def __init__(
@@ -198,6 +202,7 @@ class ModelDrafter:
         model: torch.nn.Module,
         params: SamplingParams,
         noise: GumbelNoise | None = None,
+        tree: SessionTree | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -206,7 +211,7 @@ class ModelDrafter:
         self.model = model.eval()
         self.params = params
         self.use_noise(GumbelNoise(0) if noise is None else noise)
-        self._tree = DraftCache(self.model)
+        self._tree: DraftCache | SessionTree = DraftCache(self.model) if tree is None else tree  # own, or a serving head's shared one
 
     def use_noise(self, noise: GumbelNoise) -> None:
         """Draw sampled drafts with `noise`: the engine hands over its own, so drafts are coupled with the

@@ -13,6 +13,7 @@ import torch
 from dsd.shard_store import HeadModule, Manifest, Store
 from dsd.shard_store.writer import tokenizer_end_ids
 
+from .draft_batch import JointDrafts
 from .drafters import (
     QUANT_MODES,
     HybridDrafter,
@@ -84,16 +85,26 @@ def load_drafter(
     return HybridDrafter(drafter) if ngram else drafter
 
 
-def request_drafter(drafter: Drafter | None, params: SamplingParams, seed: int) -> Drafter | None:
+def request_drafter(drafter: Drafter | None, params: SamplingParams, seed: int,
+                    joint: JointDrafts | None = None) -> Drafter | None:
     """A drafter like `drafter` for one more generation: its own sampling settings, Gumbel noise (the
     generation's seed: the engine hands over its own noise object too) and draft cache, the loaded draft
     model's weights shared. A long-lived head (`dsd-node serve`) loads the draft once and runs concurrent
-    generations with different settings; the stateless n-gram drafter is shared as is."""
+    generations with different settings; the stateless n-gram drafter is shared as is. With `joint` the
+    generation's cache is its part of the head's one shared tree, its forwards joined with the others'."""
+    tree = None if joint is None else joint.session()
     if isinstance(drafter, HybridDrafter):
-        return HybridDrafter(ModelDrafter(drafter.model.model, params, GumbelNoise(seed)), drafter.ngram)
+        return HybridDrafter(ModelDrafter(drafter.model.model, params, GumbelNoise(seed), tree), drafter.ngram)
     if isinstance(drafter, ModelDrafter):
-        return ModelDrafter(drafter.model, params, GumbelNoise(seed))
+        return ModelDrafter(drafter.model, params, GumbelNoise(seed), tree)
     return drafter
+
+
+def draft_model(drafter: Drafter | None) -> torch.nn.Module | None:
+    """The draft model a drafter runs (None: model-free, the n-gram drafter)."""
+    if isinstance(drafter, HybridDrafter):
+        return drafter.model.model
+    return drafter.model if isinstance(drafter, ModelDrafter) else None
 
 
 def load_head_setup(

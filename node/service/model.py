@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from dsd.node.head.config import GenerationConfig
+from dsd.node.head.draft_batch import JointDrafts
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import (
     HeadSetup,
     PromptError,
     chat_ids,
+    draft_model,
     eos_ids,
     load_head_setup,
     request_drafter,
@@ -61,6 +63,7 @@ class HeadOptions:
     max_context: int | None = None  # None: the model's positions, at most the peers' default --max-len
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     audit: AuditOptions | None = None  # how routes' windows are audited (None: not at all)
+    head_batching: bool = True  # every request's draft forwards joined (`node/head/draft_batch.py`)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class ServedModel:
         self.local_blocks = None if local_span is None else (local_span.start, local_span.end)
         self.device = str(setup.head.device)
         self.dtype = dtype_name(setup.head.dtype)
+        model = draft_model(setup.drafter)
+        self.joint = JointDrafts(model) if options.head_batching and model is not None else None
 
     @classmethod
     def load(cls, options: HeadOptions) -> ServedModel:
@@ -187,7 +192,8 @@ class ServedModel:
 
     def setup_for(self, cfg: GenerationConfig) -> HeadSetup:
         """The head setup of one generation: a drafter of its own with the request's sampling settings."""
-        return dataclasses.replace(self.setup, drafter=request_drafter(self.setup.drafter, cfg.params, cfg.seed))
+        return dataclasses.replace(self.setup, drafter=request_drafter(self.setup.drafter, cfg.params, cfg.seed,
+                                                                      self.joint))
 
     def decode(self, tokens: list[int]) -> str:
         if self.tokenizer is None:

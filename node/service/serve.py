@@ -95,15 +95,17 @@ async def run_service(
     carries the real port when `port` is 0); `extra_routes(state)` adds routes to the app.
     """
     head = await trio.to_thread.run_sync(ServedModel.load, cfg.head)
-    log.info("loaded the head of %s (%d layers, context %d, draft %s, mode %s) on %s %s%s", head.model_id,
-             head.num_layers, head.context_limit, cfg.head.draft, cfg.head.mode, head.device, head.dtype,
-             "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
+    log.info("loaded the head of %s (%d layers, context %d, draft %s%s, mode %s) on %s %s%s", head.model_id,
+             head.num_layers, head.context_limit, cfg.head.draft,
+             ", draft forwards joined across requests" if head.joint is not None else "", cfg.head.mode, head.device,
+             head.dtype, "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
     shutdown = trio.Event() if shutdown is None else shutdown
     # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group
     async with head_node(cfg.bootstrap, cfg.link, identity=cfg.identity, seed=cfg.seed, listen=cfg.listen) as (node, legs):
         async with owned_nursery() as nursery:
             admission = Admission(cfg.max_concurrent, cfg.queue, cfg.max_per_client)
-            metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting)
+            metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting,
+                                     None if head.joint is None else head.joint.stats)
             swarm = swarm_watch(node, head.setup, head.local_blocks, refresh_s=cfg.refresh_s,
                                 on_survey=metrics.observe_survey)
             await nursery.start(swarm.run)

@@ -225,6 +225,38 @@ def test_concurrent_streams_run_four_at_once_queue_two_and_refuse_the_rest(serve
     assert max(waited[:MAX_CONCURRENT]) < 0.05 < min(waited[MAX_CONCURRENT:]), waited  # four ran at once, two waited
 
 
+MIXED = [("def add(a, b):", 0.0, None), ("class Stack:\n    def push(self, x):", 0.8, 11),
+         ("import os\n\ndef walk(path):\n    for", 0.8, 12), ("x = [", 0.0, None)]
+
+
+def test_requests_drafting_together_get_what_they_get_alone(server: dict) -> None:
+    """Head batching (the default): mixed prompts, greedy and seeded sampling, run one at a time and then four at
+    once: every request's text is the same, and the draft forwards did hold several requests."""
+
+    def one(prompt: str, temperature: float, seed: int | None) -> str:
+        extra = {} if seed is None else {"seed": seed}
+        out = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=temperature,
+                                                **extra)
+        return out.choices[0].text
+
+    alone = [one(*req) for req in MIXED]
+    before = metric_samples(server)
+    start = threading.Barrier(len(MIXED))
+
+    def together(req: tuple) -> str:
+        start.wait()
+        return one(*req)
+
+    with ThreadPoolExecutor(len(MIXED)) as pool:
+        assert list(pool.map(together, MIXED)) == alone
+    after = metric_samples(server)
+
+    def grew(name: str) -> float:
+        return after[name][0].value - before[name][0].value
+
+    assert grew("dsd_serve_draft_forward_requests") > grew("dsd_serve_draft_forwards") > 0
+
+
 def test_disconnect_mid_stream_closes_the_peers_sessions(server: dict, swarm: dict, tokenizer, reference) -> None:
     peers = block_peers(swarm)
     assert wait_until(lambda: not any(open_sessions(p) for p in peers), 5.0)  # earlier requests' sessions are closed

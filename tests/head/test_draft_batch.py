@@ -1,0 +1,151 @@
+"""A serving head's draft forwards joined across its generations (`node/head/draft_batch.py`): each generation gets
+what it would get alone, forwards really hold several generations, the oldest go first within the budget, the
+shared tree stays bounded, and a failed forward fails only the generations in it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from support.models import make_tiny_model
+
+from dsd.node.head import draft_batch
+from dsd.node.head.draft_batch import JointDrafts
+from dsd.node.head.draft_cache import DraftCache
+from dsd.node.head.drafters import ModelDrafter
+from dsd.node.head.sampling import GumbelNoise, SamplingParams
+
+PROMPTS = [[1, 17, 42, 99, 5], [1, 8, 8, 3], [1, 17, 42, 99, 5, 61, 7, 7, 2], [4, 200, 31]]  # shared prefixes too
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_tiny_model("qwen2", seed=7)
+
+
+def hold_first_forward(joint: JointDrafts, waiting: int) -> None:
+    """Make the first joint forward wait until `waiting` more requests are queued (so the next one holds them)."""
+    original: Callable = joint.tree.extend
+    first = threading.Event()
+
+    def extend(contexts):
+        if not first.is_set():
+            first.set()
+            deadline = time.monotonic() + 10
+            while len(joint._queue) < waiting and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return original(contexts)
+
+    joint.tree.extend = extend  # type: ignore[method-assign]
+
+
+def in_threads(work: list[Callable[[], object]]) -> list[object]:
+    results: list[object] = [None] * len(work)
+
+    def run(i: int) -> None:
+        results[i] = work[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_joined_generations_get_their_own_logits_and_forwards_hold_several(model: torch.nn.Module) -> None:
+    joint = JointDrafts(model)
+    views = [joint.session() for _ in PROMPTS]
+    hold_first_forward(joint, len(PROMPTS) - 1)
+    got = in_threads([lambda v=v, p=p: v.extend([p]) for v, p in zip(views, PROMPTS, strict=True)])
+    for prompt, logits in zip(PROMPTS, got, strict=True):
+        alone = DraftCache(model).extend([prompt])
+        assert torch.allclose(logits, alone, atol=1e-5), prompt
+    assert joint.stats.forwards == 2 and joint.stats.sessions_per_forward == {1: 1, len(PROMPTS) - 1: 1}
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_drafters_on_one_tree_draft_what_they_draft_alone(model: torch.nn.Module, greedy: bool) -> None:
+    params = SamplingParams() if greedy else SamplingParams(temperature=0.8, top_p=0.9)
+    joint = JointDrafts(model)
+
+    def draft(drafter: ModelDrafter, prompt: list[int]) -> list[list[int]]:
+        out, ctx = [], list(prompt)
+        for _ in range(4):  # a few windows: propose, commit two of them, settle, a batched step of branches
+            toks, _ = drafter.propose(ctx, 5)
+            out.append(toks)
+            ctx += toks[:2]
+            drafter.settle(ctx)
+            out.append([tok for tok, _ in drafter.step_many([ctx + [3], ctx + [9]])])
+        return out
+
+    seeds = range(len(PROMPTS))
+    together = in_threads([lambda p=p, s=s: draft(ModelDrafter(model, params, GumbelNoise(s), joint.session()), p)
+                           for p, s in zip(PROMPTS, seeds, strict=True)])
+    alone = [draft(ModelDrafter(model, params, GumbelNoise(s)), p) for p, s in zip(PROMPTS, seeds, strict=True)]
+    assert together == alone
+    assert joint.stats.requests == len(PROMPTS) * 4 * 6
+
+
+def test_the_oldest_go_first_within_the_budget(model: torch.nn.Module) -> None:
+    joint = JointDrafts(model, max_contexts=2)
+    views = [joint.session() for _ in range(5)]
+    hold_first_forward(joint, 4)
+    order: list[int] = []
+    original = joint._forward
+
+    def forward(batch):
+        order.append([r.session for r in batch])
+        original(batch)
+
+    joint._forward = forward  # type: ignore[method-assign]
+    def one(i: int):
+        return views[i].extend([[1, 2, 3 + i]])
+
+    first = threading.Thread(target=one, args=(0,))
+    first.start()
+    while not order:
+        time.sleep(0.001)
+    rest = []
+    for i in range(1, 5):  # queued one after another while the first forward is held
+        t = threading.Thread(target=one, args=(i,))
+        t.start()
+        rest.append(t)
+        while len(joint._queue) < i:
+            time.sleep(0.001)
+    for t in [first, *rest]:
+        t.join(30)
+    assert order == [[0], [1, 2], [3, 4]]  # two contexts a forward, in arrival order: none waits past its turn
+
+
+def test_the_shared_tree_drops_what_no_generation_continues(model: torch.nn.Module,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(draft_batch, "PRUNE_SLACK", 0)
+    joint = JointDrafts(model)
+    drafter = ModelDrafter(model, SamplingParams(), GumbelNoise(0), joint.session())
+    other = joint.session()
+    ctx = list(PROMPTS[0])
+    other.extend([PROMPTS[1]])
+    other.settle(PROMPTS[1])
+    for _ in range(6):
+        drafter.step_many([ctx + [t] for t in (3, 9, 11, 12)])  # branches, most never continued
+        toks, _ = drafter.propose(ctx, 3)
+        ctx += toks
+        drafter.settle(ctx)
+    assert joint.stats.prunes > 0
+    held = joint.tree.tokens
+    assert len(joint.tree) <= 2 * (len(ctx) + len(PROMPTS[1])) + 16
+    assert joint.tree.match(PROMPTS[1]) and len(joint.tree.match(ctx)) >= len(ctx) - 3, held  # the live ones stay
+    alone = DraftCache(model).extend([ctx])
+    assert torch.allclose(drafter._tree.extend([ctx]), alone, atol=1e-5)
+
+
+def test_a_failed_forward_fails_its_generations_and_the_next_one_runs(model: torch.nn.Module) -> None:
+    joint = JointDrafts(model)
+    bad, good = joint.session(), joint.session()
+    with pytest.raises(IndexError):
+        bad.extend([[1, 2, 10**6]])  # outside the vocabulary: the embedding lookup fails
+    assert torch.allclose(good.extend([PROMPTS[0]]), DraftCache(model).extend([PROMPTS[0]]), atol=1e-5)
