@@ -5,10 +5,9 @@ rows costs little more than over one. `JointDrafts` holds ONE token-tree KV cach
 each generation's contexts are paths in it (identical prefixes share their columns) and a forward feeds the new
 tokens of every generation waiting at that moment, each attending only to its own ancestors (the tree's mask).
 
-Batching is continuous and needs no timer: a generation that asks while no forward runs runs its own at once (a lone
-generation waits for nothing); requests made while a forward runs queue, and the next forward takes them all, up to
-`max_contexts` contexts, oldest first (none waits more than its turn). Whichever asking thread finds the model free
-runs that forward (leader and followers on one condition), so it works from any worker thread, trio's or not.
+Batching is continuous and needs no timer (`joint.Joiner`): a generation that asks while no forward runs runs its own
+at once (a lone generation waits for nothing); requests made while a forward runs queue, and the next forward takes
+them all, up to `max_contexts` contexts, oldest first (none waits more than its turn).
 
 A generation holds a `SessionTree` (what `ModelDrafter` drafts through): its `settle` and `extend` only record which
 contexts it may still continue from; the tree drops columns no live generation's contexts reach, inside a forward,
@@ -21,54 +20,30 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from .draft_cache import DraftCache
+from .joint import Joiner
 
 MAX_CONTEXTS = 64  # contexts per joint forward: in steady state each feeds one new token (a prompt feeds all of its)
 PRUNE_SLACK = 256  # columns the tree may hold beyond twice what live generations need before it prunes
 
-
-@dataclass
-class _Request:
-    """One generation's contexts waiting for a forward, and what came back."""
-
-    session: int
-    contexts: list[list[int]]
-    logits: torch.Tensor | None = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-@dataclass
-class JointStats:
-    """What the joint forwards did (for metrics and benchmarks)."""
-
-    forwards: int = 0
-    requests: int = 0
-    contexts: int = 0
-    sessions_per_forward: dict[int, int] = field(default_factory=dict)  # sessions in a forward -> forwards
-    prunes: int = 0
+_Request = tuple[int, list[list[int]]]  # a generation's key and its contexts
 
 
 class JointDrafts:
     """One draft model's token tree shared by every generation of a head, forwards batched across them."""
 
     def __init__(self, model: torch.nn.Module, max_contexts: int = MAX_CONTEXTS) -> None:
-        if max_contexts < 1:
-            raise ValueError(f"max_contexts must be >= 1, got {max_contexts}")
         self.model = model
         self.tree = DraftCache(model)
-        self.max_contexts = max_contexts
-        self.stats = JointStats()
-        self._cond = threading.Condition()
-        self._queue: deque[_Request] = deque()
-        self._running = False
-        self._keep: dict[int, list[list[int]]] = {}  # session -> contexts it may continue from
+        self.prunes = 0
+        self.joiner: Joiner[_Request, torch.Tensor] = Joiner(self._forward, budget=max_contexts,
+                                                              size=lambda r: len(r[1]))
+        self._lock = threading.Lock()  # guards `_keep` (settles come from any generation's thread)
+        self._keep: dict[int, list[list[int]]] = {}  # generation -> contexts it may continue from
         self._ids = itertools.count()
 
     def session(self) -> SessionTree:
@@ -84,78 +59,39 @@ class JointDrafts:
         ctxs = [[int(t) for t in c] for c in contexts]
         if not ctxs:
             raise ValueError("extend needs at least one context")
-        request = _Request(session, ctxs)
-        with self._cond:
+        with self._lock:
             self._keep[session] = self._keep.get(session, [])[:1] + ctxs
-            self._queue.append(request)
-            while not request.done and self._running:
-                self._cond.wait()
-            if not request.done:
-                self._running = True
-                batch = self._take()
-        if not request.done:
-            try:
-                self._forward(batch)
-            finally:
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
-        if request.error is not None:
-            raise request.error
-        assert request.logits is not None
-        return request.logits
+        return self.joiner.call((session, ctxs))
 
     def settle(self, session: int, context: Sequence[int]) -> None:
         """`session` continues from `context` only: the tree may drop its other branches."""
-        with self._cond:
+        with self._lock:
             self._keep[session] = [[int(t) for t in context]]
 
     def _forget(self, session: int) -> None:
-        with self._cond:
+        with self._lock:
             self._keep.pop(session, None)
 
-    def _take(self) -> list[_Request]:
-        """The oldest queued requests within the context budget (always at least one). Under the lock."""
-        batch = [self._queue.popleft()]
-        rows = len(batch[0].contexts)
-        while self._queue and rows + len(self._queue[0].contexts) <= self.max_contexts:
-            rows += len(self._queue[0].contexts)
-            batch.append(self._queue.popleft())
-        return batch
-
-    def _forward(self, batch: list[_Request]) -> None:
-        """Run one joint forward for `batch` (the caller owns the tree: no other forward runs)."""
-        try:
-            self._prune()
-            contexts = [c for r in batch for c in r.contexts]
-            with torch.inference_mode():
-                logits = self.tree.extend(contexts)
-            start = 0
-            for r in batch:
-                r.logits = logits[start : start + len(r.contexts)]
-                start += len(r.contexts)
-        except BaseException as exc:  # every generation in the forward sees it; the tree was reset by extend
-            for r in batch:
-                r.error = exc
-        finally:
-            with self._cond:
-                for r in batch:
-                    r.done = True
-                stats = self.stats
-                stats.forwards += 1
-                stats.requests += len(batch)
-                stats.contexts += sum(len(r.contexts) for r in batch)
-                sessions = len({r.session for r in batch})
-                stats.sessions_per_forward[sessions] = stats.sessions_per_forward.get(sessions, 0) + 1
+    def _forward(self, batch: list[_Request]) -> list[torch.Tensor]:
+        """One joint forward over every request's contexts (the joiner runs one at a time: it owns the tree)."""
+        self._prune()
+        contexts = [c for _, ctxs in batch for c in ctxs]
+        with torch.inference_mode():
+            logits = self.tree.extend(contexts)
+        out, start = [], 0
+        for _, ctxs in batch:
+            out.append(logits[start : start + len(ctxs)])
+            start += len(ctxs)
+        return out
 
     def _prune(self) -> None:
         """Drop the columns no live generation's contexts reach, once the tree holds twice what they need."""
-        with self._cond:
+        with self._lock:
             keep = [c for ctxs in self._keep.values() for c in ctxs]
         needed = {col for c in keep for col in self.tree.match(c)}
         if len(self.tree) > 2 * len(needed) + PRUNE_SLACK:
             self.tree.keep(keep)
-            self.stats.prunes += 1
+            self.prunes += 1
 
 
 class SessionTree:

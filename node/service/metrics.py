@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dsd.discovery.survey import SwarmView
-from dsd.node.head.draft_batch import JointStats
+from dsd.node.head.joint import JoinStats
 from dsd.node.head.report import GenerationResult
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -27,7 +27,7 @@ class ServiceMetrics:
     """Everything `dsd-node serve` counts, in its own registry (several services can share a process)."""
 
     def __init__(self, running: Callable[[], float], queued: Callable[[], float],
-                 drafts: JointStats | None = None) -> None:
+                 joint: dict[str, JoinStats] | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dsd_serve_requests", "API requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
@@ -59,12 +59,14 @@ class ServiceMetrics:
         active.set_function(running)
         waiting = Gauge("dsd_serve_queued_requests", "Requests waiting for a generation slot", registry=r)
         waiting.set_function(queued)
-        if drafts is not None:  # `serve --head-batching on`: what the joint draft forwards did, read at scrape time
-            forwards = Gauge("dsd_serve_draft_forwards", "Joint draft forwards run so far", registry=r)
-            forwards.set_function(lambda: drafts.forwards)
-            joined = Gauge("dsd_serve_draft_forward_requests", "Generations' draft requests those forwards held so far "
-                           "(over dsd_serve_draft_forwards: requests per forward)", registry=r)
-            joined.set_function(lambda: drafts.requests)
+        if joint:  # `serve --head-batching on`: what the head's joint calls did, read at scrape time
+            runs = Gauge("dsd_serve_joint_runs", "Joint calls the head ran so far (draft forwards, lm_head), by part",
+                         ["part"], registry=r)
+            calls = Gauge("dsd_serve_joint_calls", "Generations' requests those joint calls held so far, by part "
+                          "(over dsd_serve_joint_runs: requests per call)", ["part"], registry=r)
+            for part, stats in joint.items():
+                runs.labels(part=part).set_function(lambda s=stats: s.runs)
+                calls.labels(part=part).set_function(lambda s=stats: s.calls)
 
     def observe_generation(self, result: GenerationResult, failovers: int, prompt_tokens: int,
                            ttft_s: float | None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.draft_batch import JointDrafts
+from dsd.node.head.joint import JoinStats, JointHead
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import (
     HeadSetup,
@@ -99,6 +100,8 @@ class ServedModel:
         self.dtype = dtype_name(setup.head.dtype)
         model = draft_model(setup.drafter)
         self.joint = JointDrafts(model) if options.head_batching and model is not None else None
+        if options.head_batching and setup.head is not None:
+            self.setup = dataclasses.replace(setup, head=JointHead(setup.head))
 
     @classmethod
     def load(cls, options: HeadOptions) -> ServedModel:
@@ -189,6 +192,14 @@ class ServedModel:
     def _slack(self) -> int:
         """KV rows a session needs beyond prompt + completion: the widest window (`GenerationConfig.session_slack`)."""
         return GenerationConfig(gamma_max=self.options.gamma_max, tree_nodes=self.options.tree_nodes).session_slack
+
+    def batching_stats(self) -> dict[str, JoinStats]:
+        """What the head's joint calls did, by part: its draft forwards and its lm_head (head batching on)."""
+        out = {} if self.joint is None else {"draft": self.joint.joiner.stats}
+        head = self.setup.head
+        if isinstance(head, JointHead):
+            out["lm_head"] = head.joiner.stats
+        return out
 
     def setup_for(self, cfg: GenerationConfig) -> HeadSetup:
         """The head setup of one generation: a drafter of its own with the request's sampling settings."""

@@ -105,7 +105,7 @@ async def run_service(
         async with owned_nursery() as nursery:
             admission = Admission(cfg.max_concurrent, cfg.queue, cfg.max_per_client)
             metrics = ServiceMetrics(lambda: admission.running, lambda: admission.waiting,
-                                     None if head.joint is None else head.joint.stats)
+                                     head.batching_stats())
             swarm = swarm_watch(node, head.setup, head.local_blocks, refresh_s=cfg.refresh_s,
                                 on_survey=metrics.observe_survey)
             await nursery.start(swarm.run)

@@ -1,4 +1,4 @@
-"""A serving head's draft forwards joined across its generations (`node/head/draft_batch.py`): each generation gets
+"""A serving head's work joined across its generations (`node/head/draft_batch.py`, `joint.py`): each generation gets
 what it would get alone, forwards really hold several generations, the oldest go first within the budget, the
 shared tree stays bounded, and a failed forward fails only the generations in it."""
 
@@ -35,7 +35,7 @@ def hold_first_forward(joint: JointDrafts, waiting: int) -> None:
         if not first.is_set():
             first.set()
             deadline = time.monotonic() + 10
-            while len(joint._queue) < waiting and time.monotonic() < deadline:
+            while joint.joiner.queued < waiting and time.monotonic() < deadline:
                 time.sleep(0.005)
         return original(contexts)
 
@@ -64,7 +64,7 @@ def test_joined_generations_get_their_own_logits_and_forwards_hold_several(model
     for prompt, logits in zip(PROMPTS, got, strict=True):
         alone = DraftCache(model).extend([prompt])
         assert torch.allclose(logits, alone, atol=1e-5), prompt
-    assert joint.stats.forwards == 2 and joint.stats.sessions_per_forward == {1: 1, len(PROMPTS) - 1: 1}
+    assert joint.joiner.stats.runs == 2 and joint.joiner.stats.calls_per_run == {1: 1, len(PROMPTS) - 1: 1}
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -87,7 +87,7 @@ def test_drafters_on_one_tree_draft_what_they_draft_alone(model: torch.nn.Module
                            for p, s in zip(PROMPTS, seeds, strict=True)])
     alone = [draft(ModelDrafter(model, params, GumbelNoise(s)), p) for p, s in zip(PROMPTS, seeds, strict=True)]
     assert together == alone
-    assert joint.stats.requests == len(PROMPTS) * 4 * 6
+    assert joint.joiner.stats.calls == len(PROMPTS) * 4 * 6
 
 
 def test_the_oldest_go_first_within_the_budget(model: torch.nn.Module) -> None:
@@ -95,13 +95,13 @@ def test_the_oldest_go_first_within_the_budget(model: torch.nn.Module) -> None:
     views = [joint.session() for _ in range(5)]
     hold_first_forward(joint, 4)
     order: list[int] = []
-    original = joint._forward
+    original = joint.joiner._run
 
     def forward(batch):
-        order.append([r.session for r in batch])
-        original(batch)
+        order.append([session for session, _ in batch])
+        return original(batch)
 
-    joint._forward = forward  # type: ignore[method-assign]
+    joint.joiner._run = forward  # type: ignore[method-assign]
     def one(i: int):
         return views[i].extend([[1, 2, 3 + i]])
 
@@ -114,7 +114,7 @@ def test_the_oldest_go_first_within_the_budget(model: torch.nn.Module) -> None:
         t = threading.Thread(target=one, args=(i,))
         t.start()
         rest.append(t)
-        while len(joint._queue) < i:
+        while joint.joiner.queued < i:
             time.sleep(0.001)
     for t in [first, *rest]:
         t.join(30)
@@ -135,7 +135,7 @@ def test_the_shared_tree_drops_what_no_generation_continues(model: torch.nn.Modu
         toks, _ = drafter.propose(ctx, 3)
         ctx += toks
         drafter.settle(ctx)
-    assert joint.stats.prunes > 0
+    assert joint.prunes > 0
     held = joint.tree.tokens
     assert len(joint.tree) <= 2 * (len(ctx) + len(PROMPTS[1])) + 16
     assert joint.tree.match(PROMPTS[1]) and len(joint.tree.match(ctx)) >= len(ctx) - 3, held  # the live ones stay
@@ -149,3 +149,33 @@ def test_a_failed_forward_fails_its_generations_and_the_next_one_runs(model: tor
     with pytest.raises(IndexError):
         bad.extend([[1, 2, 10**6]])  # outside the vocabulary: the embedding lookup fails
     assert torch.allclose(good.extend([PROMPTS[0]]), DraftCache(model).extend([PROMPTS[0]]), atol=1e-5)
+
+
+def test_the_lm_head_runs_over_every_waiting_generations_rows_at_once(tiny_qwen2_root) -> None:
+    from dsd.node.head.joint import JointHead
+    from dsd.shard_store import Store
+
+    head = Store(tiny_qwen2_root / "store").load_head()
+    joint = JointHead(head)
+    hold = threading.Event()
+    original = joint.joiner._run
+
+    def run(items):
+        if not hold.is_set():
+            hold.set()
+            deadline = time.monotonic() + 10
+            while joint.joiner.queued < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return original(items)
+
+    joint.joiner._run = run  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(0)
+    hidden = [torch.randn(1, n, head.hidden_size, generator=gen) for n in (1, 5, 2, 7)]
+    got = in_threads([lambda h=h: joint.logits(h) for h in hidden])
+    for h, logits in zip(hidden, got, strict=True):
+        assert logits.shape == (1, h.shape[1], head.vocab_size)
+        assert torch.allclose(logits, head.logits(h), atol=1e-5)
+    assert joint.joiner.stats.calls_per_run == {1: 1, 3: 1}
+    assert joint.hidden_size == head.hidden_size and joint.dtype == head.dtype  # the rest is the head's
+    with pytest.raises(Exception, match="hidden must be"):
+        joint.logits(torch.zeros(2, 3))  # its own error, not a joint call's
