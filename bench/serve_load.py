@@ -1,5 +1,9 @@
 """Load on `dsd-node serve`: 1, 4 and 8 concurrent streaming clients against a testnet with emulated WAN links.
 
+Each arm (a `--modes` mode with `--head-batching` on or off) is its own `serve` process on the same testnet, the
+arms in turn; every request's text is compared with the same prompt's at 1 client in that arm and across arms
+(`exact`: greedy output does not depend on the load, the mode or the batching).
+
 For each model kind (a tiny random target drafting for itself, or the default real pair) it starts a
 testnet (bootstrap + N block peers, every link delayed), one `dsd-node serve` process on the same
 emulated WAN, and then, for each client count C, C threads that each send R streamed
@@ -12,6 +16,8 @@ streamed token (from sending the request), mean tokens per round trip and accept
     python bench/serve_load.py                          # tiny, 4 peers, 40 ms, 1/4/8 clients
     python bench/serve_load.py --models real --clients 2
     python bench/serve_load.py --clients 1 --reps 1 --max-tokens 8   # smoke check
+    python bench/serve_load.py --models real --latency-ms 30 --modes ar,dsd --head-batching on,off \
+        --clients 1,4,8 --reps 1 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def one_request(url: str, model: str, prompt: str | list[int], max_tokens: int) 
     t0 = time.perf_counter()
     first = None
     last: dict[str, Any] = {}
+    text: list[str] = []
     with httpx.Client(timeout=600) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "error": r.read().decode(errors="replace")[:300]}
@@ -72,9 +79,11 @@ def one_request(url: str, model: str, prompt: str | list[int], max_tokens: int) 
             if first is None:
                 first = time.perf_counter() - t0
             last = json.loads(line[len("data: "):])
+            text.extend(c.get("text", "") for c in last.get("choices") or [])
     elapsed = time.perf_counter() - t0
     usage, dsd = last.get("usage") or {}, last.get("dsd") or {}
     return {"status": 200, "ttft_s": first, "elapsed_s": elapsed, "tokens": int(usage.get("completion_tokens", 0)),
+            "text": "".join(text),
             "tokens_per_trip": dsd.get("tokens_per_trip"), "mean_accepted": dsd.get("mean_accepted"),
             "queued_s": dsd.get("queued_s")}
 
@@ -94,8 +103,9 @@ def load_level(url: str, model: str, prompts: list[Any], clients: int, reps: int
             with lock:
                 if not queue:
                     return
+                index = len(prompts) * reps - len(queue)
                 prompt = queue.pop(0)
-            res = one_request(url, model, prompt, max_tokens)
+            res = {**one_request(url, model, prompt, max_tokens), "prompt": index % len(prompts)}
             with lock:
                 results.append(res)
 
@@ -109,6 +119,7 @@ def load_level(url: str, model: str, prompts: list[Any], clients: int, reps: int
     ok = [r for r in results if r["status"] == 200]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in ok)
+    per_request = [r["tokens"] / r["elapsed_s"] for r in ok if r["elapsed_s"] > 0]
 
     def mean(key: str) -> float | None:
         xs = [r[key] for r in ok if r.get(key) is not None]
@@ -120,6 +131,10 @@ def load_level(url: str, model: str, prompts: list[Any], clients: int, reps: int
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(ok) / wall, 4),
         "tokens_per_s": round(tokens / wall, 3),
+        "aggregate_tokens_per_s": round(tokens / wall, 3),
+        "request_tokens_per_s_p50": None if not per_request else round(percentile(per_request, 0.5), 3),
+        "request_tokens_per_s_p95": None if not per_request else round(percentile(per_request, 0.95), 3),
+        "texts": {str(r["prompt"]): r["text"] for r in ok},
         "completion_tokens": tokens,
         "ttft_p50_s": None if not ttft else round(percentile(ttft, 0.5), 4),
         "ttft_p95_s": None if not ttft else round(percentile(ttft, 0.95), 4),
@@ -132,7 +147,6 @@ def load_level(url: str, model: str, prompts: list[Any], clients: int, reps: int
 
 def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """One testnet and one serve process for a model kind; every client level against them."""
-    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
     from dsd.shard_store import Store
     from dsd.shard_store.default_models import default_store_paths, prepared
 
@@ -148,30 +162,64 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = store.load_tokenizer()
     prompts: list[Any] = list(PROMPTS) if tokenizer is not None else [list(p.encode()) for p in PROMPTS]
     print(f"[{kind}] starting {args.peers} peers with {args.latency_ms:g} ms links", file=sys.stderr, flush=True)
+    row: dict[str, Any] = {"models": kind, "model_id": store.manifest.model_id, "peers": args.peers,
+                           "latency_ms": args.latency_ms, "max_tokens": args.max_tokens, "arms": []}
     with testnet(target, args.peers, args.latency_ms, work / "net") as state:
-        ready = work / "serve.json"
-        ready.unlink(missing_ok=True)
-        proc = spawn("serve", [
-            "serve", "--bootstrap", state.bootstrap, "--store", str(target), "--draft", draft, "--port", "0",
-            "--ready-file", str(ready), "--max-concurrent", str(max(args.clients)), "--queue", str(max(args.clients)),
-            "--threads", "1", "--wan-latency-ms", str(args.latency_ms), "--mode", args.mode,
-            "--draft-quant", args.draft_quant if kind == "real" else "none",
-        ], work)
-        try:
-            info = wait_ready(ready, proc, 600)
-            row: dict[str, Any] = {"models": kind, "model_id": store.manifest.model_id, "peers": args.peers,
-                                   "latency_ms": args.latency_ms, "mode": args.mode, "max_tokens": args.max_tokens,
-                                   "testnet_up_s": state.up_seconds, "levels": []}
-            one_request(info["url"], info["model"], prompts[0], 4)  # warm-up: first survey, first session
-            for clients in args.clients:
-                level = load_level(info["url"], info["model"], prompts, clients, args.reps, args.max_tokens)
-                print(f"  {clients} clients: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:.1f} tok/s, "
-                      f"ttft p50 {level['ttft_p50_s']} s p95 {level['ttft_p95_s']} s", file=sys.stderr, flush=True)
-                row["levels"].append(level)
-            row["serve_log"] = proc.log
-        finally:
-            stop_processes([proc.pid])
+        row["testnet_up_s"] = state.up_seconds
+        for mode in args.modes:
+            for batching in args.head_batching:
+                print(f"  [{mode}, head batching {batching}]", file=sys.stderr, flush=True)
+                row["arms"].append(arm(args, kind, state, target, draft, prompts, mode, batching, work))
+                write_json(args.out, {**args.meta, "runs": [*args.done, row], "partial": "the arms so far"})
+    row["cells"], row["exact"] = cells(row["arms"], args.latency_ms)
     return row
+
+
+def arm(args: argparse.Namespace, kind: str, state: Any, target: Path, draft: str, prompts: list[Any], mode: str,
+        batching: str, work: Path) -> dict[str, Any]:
+    """One serve process (`mode`, `--head-batching batching`) and every client level against it."""
+    from dsd.node.testnet.processes import spawn, stop_processes, wait_ready
+
+    ready = work / "serve.json"
+    ready.unlink(missing_ok=True)
+    proc = spawn("serve", [
+        "serve", "--bootstrap", state.bootstrap, "--store", str(target), "--draft", draft, "--port", "0",
+        "--ready-file", str(ready), "--max-concurrent", str(max(args.clients)), "--queue", str(max(args.clients)),
+        "--threads", "1", "--wan-latency-ms", str(args.latency_ms), "--mode", mode, "--head-batching", batching,
+        "--draft-quant", args.draft_quant if kind == "real" else "none",
+    ], work)
+    try:
+        info = wait_ready(ready, proc, 600)
+        out: dict[str, Any] = {"mode": mode, "head_batching": batching, "levels": []}
+        one_request(info["url"], info["model"], prompts[0], 4)  # warm-up: first survey, first session
+        for clients in args.clients:
+            level = load_level(info["url"], info["model"], prompts, clients, args.reps, args.max_tokens)
+            print(f"    {clients} clients: {level['requests_per_s']:.2f} req/s, {level['tokens_per_s']:.1f} tok/s, "
+                  f"ttft p50 {level['ttft_p50_s']} s p95 {level['ttft_p95_s']} s", file=sys.stderr, flush=True)
+            out["levels"].append(level)
+        out["serve_log"] = proc.log
+    finally:
+        stop_processes([proc.pid])
+    return out
+
+
+def cells(arms: list[dict[str, Any]], latency_ms: float) -> tuple[list[dict[str, Any]], bool]:
+    """One cell per (arm, clients); a cell is exact when every text equals its prompt's at the arm's first level,
+    and the run is exact when, besides, every arm's texts are the first arm's."""
+    out, exact = [], True
+    first = arms[0]["levels"][0]["texts"] if arms and arms[0]["levels"] else {}
+    for a in arms:
+        alone = a["levels"][0]["texts"] if a["levels"] else {}
+        exact = exact and alone == first
+        for level in a["levels"]:
+            same = all(alone.get(k) == t for k, t in level["texts"].items()) and level["ok"] == level["requests"]
+            exact = exact and same
+            out.append({"clients": level["clients"], "mode": a["mode"], "head_batching": a["head_batching"] == "on",
+                        "latency_ms": latency_ms, "aggregate_tokens_per_s": level["aggregate_tokens_per_s"],
+                        "request_tokens_per_s_p50": level["request_tokens_per_s_p50"],
+                        "request_tokens_per_s_p95": level["request_tokens_per_s_p95"],
+                        "ttft_p50_s": level["ttft_p50_s"], "ttft_p95_s": level["ttft_p95_s"], "exact": same})
+    return out, exact
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clients", default="1,4,8", help="concurrent client counts (default 1,4,8)")
     p.add_argument("--reps", type=int, default=2, help="times every prompt is sent per level (default 2: 20 requests)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--mode", default="dsd", choices=("ar", "sd", "dsd"))
+    p.add_argument("--modes", default="dsd", help="comma-separated modes, one serve arm each (ar, sd, dsd; default dsd)")
+    p.add_argument("--head-batching", default="on", help="comma-separated: on, off (default on): an arm each")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="int8",
                    help="the real draft's quantization (default int8, as in the headline; tiny drafts stay fp32)")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
@@ -190,10 +239,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     kinds = model_kinds(p, args.models)
     args.clients = comma_list(p, "--clients", args.clients, int)
+    args.modes = comma_list(p, "--modes", args.modes, str)
+    args.head_batching = comma_list(p, "--head-batching", args.head_batching, str)
+    if not set(args.modes) <= {"ar", "sd", "dsd"} or not set(args.head_batching) <= {"on", "off"} or not args.modes:
+        p.error("--modes takes ar, sd, dsd; --head-batching takes on, off")
     if args.peers < 1 or args.reps < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
         p.error("--peers, --reps, --max-tokens and every --clients value must be >= 1")
-    results = {**run_metadata("serve_load", args), "runs": [run(kind, args) for kind in kinds]}
-    write_json(args.out or RESULTS_DIR / f"serve_load-{today()}.json", results)
+    args.out = args.out or RESULTS_DIR / f"serve_load-{today()}.json"
+    args.meta, args.done = run_metadata("serve_load", args), []
+    for kind in kinds:
+        args.done.append(run(kind, args))
+    results = {**args.meta, "runs": args.done}
+    write_json(args.out, results)
     print(json.dumps(results, indent=1))
     return 0
 
