@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
 import torch
+
+from dsd.protocol.load import LoadMeter
 
 from .draft_cache import DraftCache
 from .joint import Joiner
@@ -40,6 +43,7 @@ class JointDrafts:
         self.model = model
         self.tree = DraftCache(model)
         self.prunes = 0
+        self.meter = LoadMeter()  # the joint forwards as steps of the head's CPU (the head's own load)
         self.joiner: Joiner[_Request, torch.Tensor] = Joiner(self._forward, budget=max_contexts,
                                                               size=lambda r: len(r[1]))
         self._lock = threading.Lock()  # guards `_keep` (settles come from any generation's thread)
@@ -63,6 +67,13 @@ class JointDrafts:
             self._keep[session] = self._keep.get(session, [])[:1] + ctxs
         return self.joiner.call((session, ctxs))
 
+    def load(self, session: int) -> float:
+        """What one more drafted row of `session` costs the head's other live generations, in their tokens: a
+        block peer's rule (`protocol/load.py`) over the joint forwards, the head's CPU being the shared part."""
+        with self._lock:
+            live = [str(k) for k in self._keep]
+        return self.meter.load(str(session), live)
+
     def settle(self, session: int, context: Sequence[int]) -> None:
         """`session` continues from `context` only: the tree may drop its other branches."""
         with self._lock:
@@ -76,8 +87,13 @@ class JointDrafts:
         """One joint forward over every request's contexts (the joiner runs one at a time: it owns the tree)."""
         self._prune()
         contexts = [c for _, ctxs in batch for c in ctxs]
+        t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self.tree.extend(contexts)
+        rows: dict[str, int] = {}
+        for key, ctxs in batch:
+            rows[str(key)] = rows.get(str(key), 0) + len(ctxs)
+        self.meter.observe(time.perf_counter() - t0, rows)
         out, start = [], 0
         for _, ctxs in batch:
             out.append(logits[start : start + len(ctxs)])
@@ -106,6 +122,11 @@ class SessionTree:
     def tokens(self) -> list[int]:
         """The context this generation last settled on (its own columns of the shared tree)."""
         return list(self._settled)
+
+    @property
+    def load(self) -> float:
+        """This generation's share of the head's load (`JointDrafts.load`)."""
+        return self.joint.load(self.key)
 
     def reset(self) -> None:
         """Forget what this generation settled on (the shared tree keeps other generations' columns)."""

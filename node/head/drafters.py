@@ -230,6 +230,11 @@ class ModelDrafter:
         """Tokens whose keys/values are in the draft cache, in cache order (for tests and diagnostics)."""
         return list(self._tree.tokens)
 
+    @property
+    def load(self) -> float:
+        """What one more drafted row costs the head's other generations, in their tokens (0 drafting alone)."""
+        return float(getattr(self._tree, "load", 0.0))
+
     def check_compatible(
         self, target_vocab_size: int, target_tokenizer: Any = None, draft_tokenizer: Any = None
     ) -> None:
@@ -372,6 +377,10 @@ class HybridDrafter:
     def use_noise(self, noise: GumbelNoise) -> None:
         """The draft model's sampled drafts use `noise` (lookup drafts are deterministic)."""
         self.model.use_noise(noise)
+
+    @property
+    def load(self) -> float:
+        return self.model.load
 
     def source_counts(self) -> dict[str, int]:
         """How many proposals (calls) and tokens each source supplied, for reports."""

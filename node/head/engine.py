@@ -343,8 +343,10 @@ class HeadEngine:
 
     def _count(self, tally: GenerationResult, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
-        self.window.observe_load(self.backend.load)
+        head = float(getattr(self.drafter, "load", 0.0) or 0.0)  # a serving head's own, with head batching
+        self.window.observe_load(self.backend.load + head)
         tally.route_loads.append(self.backend.load)
+        tally.head_loads.append(head)
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
             return

@@ -80,6 +80,7 @@ class GenerationResult:
     pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
     ahead_gaps: list[float] = field(default_factory=list)  # per window sent ahead: seconds after the one it bets on
     route_loads: list[float] = field(default_factory=list)  # per round: the load its route reported (window.py)
+    head_loads: list[float] = field(default_factory=list)  # per round: the serving head's own load (draft_batch.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the config asks for them
 
     def continuing(self, kept: Sequence[int], before: Sequence[GenerationResult],
@@ -164,6 +165,7 @@ class GenerationResult:
             "pipelined_wasted": self.pipelined_wasted,
             "ahead_gap_s": round(float(np.median(self.ahead_gaps)), 4) if self.ahead_gaps else None,
             "route_load": round(float(np.mean(self.route_loads)), 4) if self.route_loads else 0.0,
+            "head_load": round(float(np.mean(self.head_loads)), 4) if self.head_loads else 0.0,
             "time_breakdown": self.times.as_dict(),
         }
 

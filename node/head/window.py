@@ -16,7 +16,7 @@ Model (per round, i.i.d. acceptance α per draft token, estimated online):
 
 Load (a route of block peers shared with other heads). Every result carries the route's load L: what one more
 row of this generation costs the other sessions on its peers, in their tokens (each peer's share measured from its
-own steps, `dsd.node.server.load`, summed over the hops). A drafted row is worth its chance of acceptance minus
+own steps, `dsd.protocol.load`, summed over the hops). A drafted row is worth its chance of acceptance minus
 that cost, so under load the controller maximizes
 
     net(γ) = (E(γ) − L·γ) / T(γ)          over γ_min ≤ γ, and over 0 ≤ γ once L ≥ α (then no drafted
@@ -226,7 +226,8 @@ class WindowController:
         return self._ready
 
     def observe_load(self, load: float) -> None:
-        """Record the load the route reported with its latest result (already averaged by its peers)."""
+        """Record the load of one more drafted row: the route's (its latest result's) plus, on a serving head with
+        head batching, the head's own (`draft_batch.JointDrafts.load`)."""
         if not math.isfinite(load) or load < 0:
             raise ValueError(f"load must be a finite number >= 0, got {load!r}")
         self.load = load

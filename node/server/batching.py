@@ -25,7 +25,7 @@ import trio
 from dsd.shard_store import SpanModule, SpanWindow
 
 from .limits import BatchOptions
-from .load import LoadMeter, LoadReport
+from dsd.protocol.load import LoadMeter, LoadReport
 
 AHEAD_PATIENCE = 2  # steps a window sent ahead may be passed by blocked ones before it counts as blocked itself
 

@@ -1,4 +1,4 @@
-"""A block peer's load, measured from its own steps: what it announces in its record and what it tells each head.
+"""A load measured from a CPU's own steps: what a block peer announces and tells each head, and a serving head's own.
 
 The meter keeps the span's recent steps (the last `LOAD_WINDOW_S` seconds, at most `MAX_STEPS`): when each ended,
 how long it computed, and how many rows each session had in it. From them:
@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from dsd.protocol.deadlines import cost_line
+from .deadlines import cost_line
 
 LOAD_WINDOW_S = 5.0  # the recent past a load is measured over
 MAX_STEPS = 256  # steps kept at most (a window's worth on a fast peer)

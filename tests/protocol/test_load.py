@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsd.node.server.load import LoadMeter
+from dsd.protocol.load import LoadMeter
 
 
 class Clock:
