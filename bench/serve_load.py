@@ -18,6 +18,7 @@ streamed token (from sending the request), mean tokens per round trip and accept
     python bench/serve_load.py --clients 1 --reps 1 --max-tokens 8   # smoke check
     python bench/serve_load.py --models real --latency-ms 30 --modes ar,dsd --head-batching on,off \
         --clients 1,4,8 --reps 1 --max-tokens 32
+    python bench/serve_load.py --models real --latency-ms 270 --arms ar:on,dsd:on,dsd:off --clients 1,4,8 --reps 1
 """
 
 from __future__ import annotations
@@ -166,11 +167,10 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                            "latency_ms": args.latency_ms, "max_tokens": args.max_tokens, "arms": []}
     with testnet(target, args.peers, args.latency_ms, work / "net") as state:
         row["testnet_up_s"] = state.up_seconds
-        for mode in args.modes:
-            for batching in args.head_batching:
-                print(f"  [{mode}, head batching {batching}]", file=sys.stderr, flush=True)
-                row["arms"].append(arm(args, kind, state, target, draft, prompts, mode, batching, work))
-                write_json(args.out, {**args.meta, "runs": [*args.done, row], "partial": "the arms so far"})
+        for mode, batching in args.arms:
+            print(f"  [{mode}, head batching {batching}]", file=sys.stderr, flush=True)
+            row["arms"].append(arm(args, kind, state, target, draft, prompts, mode, batching, work))
+            write_json(args.out, {**args.meta, "runs": [*args.done, row], "partial": "the arms so far"})
     row["cells"], row["exact"] = cells(row["arms"], args.latency_ms)
     return row
 
@@ -232,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default="dsd", help="comma-separated modes, one serve arm each (ar, sd, dsd; default dsd)")
     p.add_argument("--head-batching", default="on", help="comma-separated: on, off (default on): an arm each")
+    p.add_argument("--arms", default=None, metavar="MODE:on|off,...",
+                   help="the arms themselves, in order (e.g. ar:on,dsd:on,dsd:off), instead of --modes x --head-batching")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="int8",
                    help="the real draft's quantization (default int8, as in the headline; tiny drafts stay fp32)")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
@@ -241,8 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.clients = comma_list(p, "--clients", args.clients, int)
     args.modes = comma_list(p, "--modes", args.modes, str)
     args.head_batching = comma_list(p, "--head-batching", args.head_batching, str)
-    if not set(args.modes) <= {"ar", "sd", "dsd"} or not set(args.head_batching) <= {"on", "off"} or not args.modes:
-        p.error("--modes takes ar, sd, dsd; --head-batching takes on, off")
+    args.arms = ([tuple(a.split(":", 1)) for a in comma_list(p, "--arms", args.arms, str)] if args.arms else
+                 [(m, b) for m in args.modes for b in args.head_batching])
+    if not args.arms or any(len(a) != 2 or a[0] not in ("ar", "sd", "dsd") or a[1] not in ("on", "off")
+                            for a in args.arms):
+        p.error("--modes takes ar, sd, dsd; --head-batching on, off; --arms MODE:on|off items")
     if args.peers < 1 or args.reps < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
         p.error("--peers, --reps, --max-tokens and every --clients value must be >= 1")
     args.out = args.out or RESULTS_DIR / f"serve_load-{today()}.json"

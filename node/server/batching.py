@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import trio
 
+from dsd.protocol.load import LoadMeter, LoadReport
 from dsd.shard_store import SpanModule, SpanWindow
 
 from .limits import BatchOptions
-from dsd.protocol.load import LoadMeter, LoadReport
 
 AHEAD_PATIENCE = 2  # steps a window sent ahead may be passed by blocked ones before it counts as blocked itself
 
