@@ -343,10 +343,11 @@ class HeadEngine:
 
     def _count(self, tally: GenerationResult, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
-        head = float(getattr(self.drafter, "load", 0.0) or 0.0)  # a serving head's own, with head batching
-        self.window.observe_load(self.backend.load + head)
+        self.window.observe_load(self.backend.load)
         tally.route_loads.append(self.backend.load)
-        tally.head_loads.append(head)
+        # a serving head's own load (head batching): measured and reported, not fed to the controller (counting
+        # drafted rows as the others' tokens narrowed windows that cost the head little: docs/batching.md)
+        tally.head_loads.append(float(getattr(self.drafter, "load", 0.0) or 0.0))
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
             return

@@ -226,8 +226,7 @@ class WindowController:
         return self._ready
 
     def observe_load(self, load: float) -> None:
-        """Record the load of one more drafted row: the route's (its latest result's) plus, on a serving head with
-        head batching, the head's own (`draft_batch.JointDrafts.load`)."""
+        """Record the load the route reported with its latest result (already averaged by its peers)."""
         if not math.isfinite(load) or load < 0:
             raise ValueError(f"load must be a finite number >= 0, got {load!r}")
         self.load = load
