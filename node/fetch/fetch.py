@@ -35,6 +35,9 @@ from .request import FetchError, FetchProgress, FetchRequest, Source, _layer_ind
 
 log = logging.getLogger(__name__)
 
+MANIFEST_ROUNDS = 3  # rounds over the sources for the manifest while every failure is a dial or connection error
+MANIFEST_RETRY_S = 1.0  # seconds before round k + 1: k times this
+
 class Fetcher:
     """One fetch into one local store, on a running node: `await open()`, then `await fetch(files)` (any times)."""
 
@@ -96,48 +99,68 @@ class Fetcher:
         return sha
 
     async def open(self) -> LocalStore:
-        """Find sources, fetch and check the manifest, prepare the local store; returns it."""
+        """Find sources, fetch and check the manifest, prepare the local store; returns it. A round over the sources
+        that failed only to connect (a dial that did not come up, a timeout) is run again, `MANIFEST_ROUNDS` in all,
+        1 s and 2 s apart; a source that lied is blacklisted and not asked again."""
         if self.local is not None:
             return self.local
         await self.find_sources()
         want = self.trust_root()
         order = sorted(self.sources.values(), key=lambda s: (s.manifest_sha256 != want, s.peer_id))
         problems: list[str] = []
-        for src in order:
-            if src.manifest_sha256 is not None and want is not None and src.manifest_sha256 != want:
-                continue  # it serves another version of the model
-            try:
-                data = await self._manifest_from(src)
-            except (ShardRefused, ConnectionError, trio.TooSlowError, OSError) as exc:
-                problems.append(f"{src.peer_id}: {exc}")
-                continue
-            except PeerFault as exc:
-                self._blacklist(src, str(exc))
-                problems.append(f"{src.peer_id}: {exc}")
-                continue
-            sha = hashlib.sha256(data).hexdigest()
-            if want is not None and sha != want:
-                self._blacklist(src, f"served a manifest with sha256 {sha}, not the trust root {want}")
-                problems.append(f"{src.peer_id}: manifest sha256 {sha[:16]}… does not match")
-                continue
-            try:
-                local = LocalStore(self._out_dir(sha), data, sha)
-            except (StoreError, ValueError) as exc:  # ValueError: not JSON
-                self._blacklist(src, f"served a manifest that is not valid: {exc}")
-                problems.append(f"{src.peer_id}: invalid manifest")
-                continue
-            if local.manifest.model_id != self.request.model:
-                self._blacklist(src, f"served the manifest of {local.manifest.model_id!r} for {self.request.model!r}")
-                continue
-            if want is None:
-                log.warning("trusting the manifest %s served by %s (--trust-first-manifest; no peer announces a hash); "
-                            "pin it next time with --manifest-sha256 %s", sha, src.peer_id, sha)
-            await trio.to_thread.run_sync(local.prepare)
-            self.local = local
-            self._report.update(model=self.request.model, manifest_sha256=sha, out=str(local.path))
-            return local
+        for attempt in range(1, MANIFEST_ROUNDS + 1):
+            problems, transient = [], True
+            for src in order:
+                if src.manifest_sha256 is not None and want is not None and src.manifest_sha256 != want:
+                    continue  # it serves another version of the model
+                if src.state == "blacklisted":
+                    continue
+                try:
+                    data = await self._manifest_from(src)
+                except (ShardRefused, ConnectionError, trio.TooSlowError, OSError) as exc:
+                    problems.append(f"{src.peer_id}: {exc}")
+                    continue
+                except PeerFault as exc:
+                    self._blacklist(src, str(exc))
+                    problems.append(f"{src.peer_id}: {exc}")
+                    transient = False
+                    continue
+                local = await self._accept_manifest(src, data, want, problems)
+                if local is not None:
+                    return local
+                transient = False
+            if not problems or not transient or attempt == MANIFEST_ROUNDS:
+                break
+            log.warning("no source gave the manifest of %r (%s); trying them again in %.0f s (round %d of %d)",
+                        self.request.model, "; ".join(problems), attempt * MANIFEST_RETRY_S, attempt + 1,
+                        MANIFEST_ROUNDS)
+            await trio.sleep(attempt * MANIFEST_RETRY_S)
         raise FetchError(f"no peer served a manifest of {self.request.model!r} matching "
                          f"{want or 'any announced hash'}: " + ("; ".join(problems) or "no source announces it"))
+
+    async def _accept_manifest(self, src: Source, data: bytes, want: str | None, problems: list[str]) -> LocalStore | None:
+        """The local store of a manifest `src` served, when it is the one wanted; else None (`src` blacklisted)."""
+        sha = hashlib.sha256(data).hexdigest()
+        if want is not None and sha != want:
+            self._blacklist(src, f"served a manifest with sha256 {sha}, not the trust root {want}")
+            problems.append(f"{src.peer_id}: manifest sha256 {sha[:16]}… does not match")
+            return None
+        try:
+            local = LocalStore(self._out_dir(sha), data, sha)
+        except (StoreError, ValueError) as exc:  # ValueError: not JSON
+            self._blacklist(src, f"served a manifest that is not valid: {exc}")
+            problems.append(f"{src.peer_id}: invalid manifest")
+            return None
+        if local.manifest.model_id != self.request.model:
+            self._blacklist(src, f"served the manifest of {local.manifest.model_id!r} for {self.request.model!r}")
+            return None
+        if want is None:
+            log.warning("trusting the manifest %s served by %s (--trust-first-manifest; no peer announces a hash); "
+                        "pin it next time with --manifest-sha256 %s", sha, src.peer_id, sha)
+        await trio.to_thread.run_sync(local.prepare)
+        self.local = local
+        self._report.update(model=self.request.model, manifest_sha256=sha, out=str(local.path))
+        return local
 
     def _out_dir(self, sha: str) -> Path:
         return self.request.out or default_fetch_dir(self.request.model, sha, self.request.fetch_root)

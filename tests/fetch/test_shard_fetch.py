@@ -399,3 +399,28 @@ def test_store_inspect_prints_the_trust_root(tiny8: Path, tmp_path: Path) -> Non
     (broken / layer_file(0)).write_bytes(b"torn")
     run = cli("store", "verify", str(broken))
     assert run.returncode == 1 and layer_file(0) in run.stderr
+
+
+@pytest.mark.network
+def test_a_manifest_round_lost_to_dial_errors_is_tried_again(swarm: dict, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every source failing to connect once (a dial that did not come up) is not the end of the fetch: the round over
+    the sources is run again after a pause, and the manifest comes from the second one."""
+    original = Fetcher._manifest_from
+    tries: list[str] = []
+
+    async def flaky(self: Fetcher, src):
+        tries.append(src.peer_id)
+        if tries.count(src.peer_id) == 1:
+            raise ConnectionError("Failed to create stream to peer (test)")
+        return await original(self, src)
+
+    monkeypatch.setattr(Fetcher, "_manifest_from", flaky)
+
+    async def main():
+        async with head_node([swarm["bootstrap"]]) as (node, _legs):
+            fetcher = Fetcher(node, FetchRequest(MODEL, swarm["sha"], out=tmp_path / "fetched"))
+            return await fetcher.open()
+
+    local = trio.run(main)
+    assert local.manifest.model_id == MODEL and len(tries) >= 2 and tries[0] == tries[-1]
