@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .errors import StoreError
-from .quant import COMPUTE_DTYPE, Q4K_GROUP, int8_quantize, pack_nibbles
+from .quant import COMPUTE_DTYPE, Q4K_GROUP, pack_nibbles
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -58,8 +58,7 @@ def plan_q4k(path: Path, config: PretrainedConfig) -> Q4kPlan:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    to_hf, _ = _name_map(config, _architecture(reader))
-    linear_keys = _layer_linear_keys(config)
+    to_hf, _, linear_keys = _name_map(config, _architecture(reader))
     plan = Q4kPlan()
     refused = []
     for tensor in reader.tensors:
@@ -79,16 +78,17 @@ def plan_q4k(path: Path, config: PretrainedConfig) -> Q4kPlan:
 
 
 def packed_layers(path: Path, model: PreTrainedModel, plan: Q4kPlan) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-    """Per layer index, per linear (its name inside the layer), what a q4k store holds of it: a 4-bit one's packed
-    values and bf16 scales and zeros as the file has them; a wider one's int8 values and scales; a float one nothing
-    (`quant.stored_tensors` keeps it bf16). `model` is the same file loaded by transformers (to check against)."""
+    """Per layer index, per linear (its name inside the layer), what a q4k store takes from the file as it is: a 4-bit
+    one's packed values and bf16 scales and zeros; a float one nothing (`quant.stored_tensors` keeps it bf16); a
+    wider one is left out (`stored_tensors` holds it int8). `model` is the same file loaded by transformers (to check
+    against)."""
     from gguf import GGUFReader
 
     from .families import adapter_for
 
     reader = GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
-    _, processor = _name_map(model.config, _architecture(reader))
+    _, processor, _ = _name_map(model.config, _architecture(reader))
     adapter = adapter_for(model.config.model_type)
     state = model.state_dict()
     out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
@@ -104,11 +104,10 @@ def packed_layers(path: Path, model: PreTrainedModel, plan: Q4kPlan) -> dict[int
             q, scale, offset = q[rows], scale[rows], offset[rows]
             held = int4_group_tensors(q, scale, offset)
             _check_mapped(name, kind, held, weight)
-        elif kind in WIDER:
-            qweight, scales = int8_quantize(weight)
-            held = {"qweight": qweight, "scales": scales}
-        else:
+        elif kind in FLOATS:
             held = {}
+        else:
+            continue
         out.setdefault(index, {})[linear] = held
     return out
 
@@ -181,8 +180,9 @@ def _architecture(reader: Any) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
-def _name_map(config: PretrainedConfig, arch: str) -> tuple[dict[str, str], Any]:
-    """transformers' GGUF tensor name -> model key map, and the architecture's tensor processor (as it loads)."""
+def _name_map(config: PretrainedConfig, arch: str) -> tuple[dict[str, str], Any, set[str]]:
+    """transformers' GGUF tensor name -> model key map, the architecture's tensor processor (as it loads), and the
+    model keys of every decoder layer's linear weights."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -190,23 +190,12 @@ def _name_map(config: PretrainedConfig, arch: str) -> tuple[dict[str, str], Any]
         get_gguf_hf_weights_map,
     )
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    return get_gguf_hf_weights_map(model, processor), processor
-
-
-def _layer_linear_keys(config: PretrainedConfig) -> set[str]:
-    """The model keys of every decoder layer's linear weights."""
-    from transformers import AutoModelForCausalLM
-
     from .families import adapter_for
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     adapter = adapter_for(config.model_type)
-    keys = set()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and adapter.split_key(f"{name}.weight")[0] == "layer":
-            keys.add(f"{name}.weight")
-    return keys
+    linears = {f"{name}.weight" for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and adapter.split_key(f"{name}.weight")[0] == "layer"}
+    return get_gguf_hf_weights_map(model, processor), processor, linears

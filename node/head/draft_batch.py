@@ -40,7 +40,6 @@ class JointDrafts:
     """One draft model's token tree shared by every generation of a head, forwards batched across them."""
 
     def __init__(self, model: torch.nn.Module, max_contexts: int = MAX_CONTEXTS) -> None:
-        self.model = model
         self.tree = DraftCache(model)
         self.prunes = 0
         self.meter = LoadMeter()  # the joint forwards as steps of the head's CPU (the head's own load)
@@ -94,11 +93,7 @@ class JointDrafts:
         for key, ctxs in batch:
             rows[str(key)] = rows.get(str(key), 0) + len(ctxs)
         self.meter.observe(time.perf_counter() - t0, rows)
-        out, start = [], 0
-        for _, ctxs in batch:
-            out.append(logits[start : start + len(ctxs)])
-            start += len(ctxs)
-        return out
+        return list(torch.split(logits, [len(ctxs) for _, ctxs in batch]))
 
     def _prune(self) -> None:
         """Drop the columns no live generation's contexts reach, once the tree holds twice what they need."""

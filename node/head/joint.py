@@ -25,11 +25,10 @@ R = TypeVar("R")
 
 @dataclass
 class JoinStats:
-    """What the joint runs did: runs, calls, the items' total size, and how many calls each run held."""
+    """What the joint runs did: runs, calls, and how many calls each run held."""
 
     runs: int = 0
     calls: int = 0
-    size: int = 0
     calls_per_run: dict[int, int] = field(default_factory=dict)  # calls in a run -> runs
 
 
@@ -109,7 +108,6 @@ class Joiner(Generic[T, R]):
                 s = self.stats
                 s.runs += 1
                 s.calls += len(batch)
-                s.size += sum(self._size(c.item) for c in batch)
                 s.calls_per_run[len(batch)] = s.calls_per_run.get(len(batch), 0) + 1
 
 
@@ -139,9 +137,5 @@ class JointHead:
         rows = torch.cat([h.reshape(-1, h.shape[-1]).to(self._head.device) for h in items])
         with torch.inference_mode():
             logits = self._head.logits(rows.unsqueeze(0))[0]
-        out, start = [], 0
-        for h in items:
-            n = h.shape[0] * h.shape[1]
-            out.append(logits[start : start + n].reshape(h.shape[0], h.shape[1], -1))
-            start += n
-        return out
+        parts = torch.split(logits, [h.shape[0] * h.shape[1] for h in items])
+        return [part.reshape(h.shape[0], h.shape[1], -1) for part, h in zip(parts, items, strict=True)]
