@@ -225,6 +225,37 @@ class SpanModule(nn.Module):
                 w.commit_cache()
             return self.forward_many(windows)
 
+    def step_each(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor | Exception]:
+        """Several sessions' windows as one step where they can be, each its own output or error: every window's
+        cache is committed (a commit that fails is that window's error), the rest run as one step (`forward_many`),
+        and if that step fails (a cache refusing its window) they run one by one, so one bad window fails only
+        itself. How a block peer's batcher and a serving head's own span run their joint steps."""
+        out: list[torch.Tensor | Exception | None] = [None] * len(windows)
+        with torch.inference_mode():
+            ready = []
+            for i, w in enumerate(windows):
+                try:
+                    w.commit_cache()
+                    ready.append(i)
+                except Exception as exc:
+                    out[i] = exc
+            joint = None
+            if len(ready) > 1:
+                try:
+                    joint = self.forward_many([windows[i] for i in ready])
+                except Exception:
+                    joint = None
+            for k, i in enumerate(ready):
+                if joint is not None:
+                    out[i] = joint[k]
+                    continue
+                w = windows[i]
+                try:
+                    out[i] = self.forward(w.hidden, w.start_pos, w.cache, w.parents)
+                except Exception as exc:
+                    out[i] = exc
+        return out  # type: ignore[return-value]
+
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, start_pos: int, cache: SpanCache, parents: Sequence[int] | torch.Tensor | None = None

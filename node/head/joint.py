@@ -1,7 +1,8 @@
 """Calls from many threads run as one: how a serving head batches the work its generations share.
 
 A CPU forward over a few dozen rows costs little more than over one (a forward reads every weight once), so a head
-serving many generations runs their draft forwards, and their lm_head rows, as joint calls. `Joiner.call(item)`
+serving many generations runs their draft forwards, their lm_head rows, and the windows of the layers it serves itself
+(`--blocks`) as joint calls. `Joiner.call(item)`
 blocks the calling thread until `run` has processed its item: whichever caller finds no run under way runs
 everything queued at that moment, up to `budget` (by `size`), oldest first, and hands each caller its result; calls
 made meanwhile queue for the next run. No timer: a lone caller runs at once, and under load runs grow by themselves
@@ -18,6 +19,8 @@ from threading import Condition
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from dsd.shard_store import SpanModule, SpanWindow
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -139,3 +142,28 @@ class JointHead:
             logits = self._head.logits(rows.unsqueeze(0))[0]
         parts = torch.split(logits, [h.shape[0] * h.shape[1] for h in items])
         return [part.reshape(h.shape[0], h.shape[1], -1) for part, h in zip(parts, items, strict=True)]
+
+
+MAX_SPAN_ROWS = 256  # window rows per joint step of the head's own span
+
+
+class JointSpan:
+    """The span a serving head serves itself (`--blocks`) whose windows, from every generation waiting on it, run as
+    one step (`SpanModule.step_each`: projections and MLPs over the stacked rows, attention per generation against its
+    own KV cache; one window its cache refuses fails only its own generation). Everything else is the wrapped span's."""
+
+    def __init__(self, span: SpanModule, max_rows: int = MAX_SPAN_ROWS) -> None:
+        self._span = span
+        self.joiner: Joiner[SpanWindow, torch.Tensor | Exception] = Joiner(
+            span.step_each, budget=max_rows, size=lambda w: int(w.hidden.shape[1]))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._span, name)
+
+    def step(self, hidden: torch.Tensor, start_pos: int, cache: Any, *, commit: int | None = None,
+             parents: Any = None, keep: Any = None) -> torch.Tensor:
+        """As `SpanModule.step`, computed with other generations' windows."""
+        out = self.joiner.call(SpanWindow(hidden, start_pos, cache, commit, parents, keep))
+        if isinstance(out, Exception):
+            raise out
+        return out

@@ -1,5 +1,5 @@
 """Continuous batching on a block peer: windows of different sessions waiting while the span computes run as one
-step when it is free (`SpanModule.step_many`: the weights are read once for all their rows).
+step when it is free (`SpanModule.step_each`: the weights are read once for all their rows).
 
 No task of its own: every window's coroutine queues its job and competes for the span (one step at a time); the one
 that gets it takes the most urgent waiting job and, after it, every other waiting job on the same span in order of
@@ -108,24 +108,18 @@ class Batcher:
         return batch
 
     def _step(self, batch: Sequence[Job]) -> None:
-        """In the worker thread: commit each window's cache, run the windows as one step (one by one if that fails),
-        set each job's rows or error and wake it."""
+        """In the worker thread: run a lying session's step alone, the other windows as one step (`step_each`: one
+        by one if that fails), set each job's rows or error and wake it."""
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                ready = [job for job in batch if self._commit(job)]
-                if len(ready) > 1:
-                    try:
-                        outs = ready[0].span.forward_many([j.window for j in ready])
-                    except Exception:  # a cache refused its window: each window its own answer or error
-                        for job in ready:
-                            self._forward(job)
+            ready = [job for job in batch if self._alone(job)]
+            if ready:
+                outs = ready[0].span.step_each([job.window for job in ready])
+                for job, out in zip(ready, outs, strict=True):
+                    if isinstance(out, Exception):
+                        job.error = out
                     else:
-                        for job, out in zip(ready, outs, strict=True):
-                            job.rows = cpu_rows(out)
-                else:
-                    for job in ready:
-                        self._forward(job)
+                        job.rows = cpu_rows(out)
         finally:
             trio.from_thread.run_sync(self._finish, batch, time.perf_counter() - t0)
 
@@ -141,25 +135,15 @@ class Batcher:
             job.done.set()
 
     @staticmethod
-    def _commit(job: Job) -> bool:
-        """Commit the cache's last window as the job's window says (a lying session's whole step runs here)."""
-        try:
-            if job.alone is not None:
-                job.rows = job.alone()
-                return False
-            job.window.commit_cache()
+    def _alone(job: Job) -> bool:
+        """Run a lying session's whole step here (False); True for a window that joins the step."""
+        if job.alone is None:
             return True
-        except Exception as exc:
-            job.error = exc
-            return False
-
-    @staticmethod
-    def _forward(job: Job) -> None:
         try:
-            w = job.window
-            job.rows = cpu_rows(job.span.forward(w.hidden, w.start_pos, w.cache, w.parents))
+            job.rows = job.alone()
         except Exception as exc:
             job.error = exc
+        return False
 
 
 def cpu_rows(out: torch.Tensor) -> np.ndarray:

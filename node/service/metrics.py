@@ -60,7 +60,7 @@ class ServiceMetrics:
         waiting = Gauge("dsd_serve_queued_requests", "Requests waiting for a generation slot", registry=r)
         waiting.set_function(queued)
         if joint:  # `serve --head-batching on`: what the head's joint calls did, read at scrape time
-            runs = Gauge("dsd_serve_joint_runs", "Joint calls the head ran so far (draft forwards, lm_head), by part",
+            runs = Gauge("dsd_serve_joint_runs", "Joint calls the head ran so far (draft forwards, lm_head, its own span), by part",
                          ["part"], registry=r)
             calls = Gauge("dsd_serve_joint_calls", "Generations' requests those joint calls held so far, by part "
                           "(over dsd_serve_joint_runs: requests per call)", ["part"], registry=r)

@@ -18,7 +18,7 @@ from typing import Any
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.draft_batch import JointDrafts
-from dsd.node.head.joint import JoinStats, JointHead
+from dsd.node.head.joint import JoinStats, JointHead, JointSpan
 from dsd.node.head.sampling import SamplingParams
 from dsd.node.head.setup import (
     HeadSetup,
@@ -64,7 +64,7 @@ class HeadOptions:
     max_context: int | None = None  # None: the model's positions, at most the peers' default --max-len
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     audit: AuditOptions | None = None  # how routes' windows are audited (None: not at all)
-    head_batching: bool = True  # every request's draft forwards joined (`node/head/draft_batch.py`)
+    head_batching: bool = True  # every request's draft forwards, lm_head rows and own span joined (`node/head/joint.py`)
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ class ServedModel:
         self.joint = JointDrafts(model) if options.head_batching and model is not None else None
         if options.head_batching and setup.head is not None:
             self.setup = dataclasses.replace(setup, head=JointHead(setup.head))
+        if options.head_batching and local_span is not None:
+            self.local_span = JointSpan(local_span)  # type: ignore[assignment]
 
     @classmethod
     def load(cls, options: HeadOptions) -> ServedModel:
@@ -199,6 +201,8 @@ class ServedModel:
         head = self.setup.head
         if isinstance(head, JointHead):
             out["lm_head"] = head.joiner.stats
+        if isinstance(self.local_span, JointSpan):
+            out["span"] = self.local_span.joiner.stats
         return out
 
     def setup_for(self, cfg: GenerationConfig) -> HeadSetup:

@@ -97,7 +97,7 @@ async def run_service(
     head = await trio.to_thread.run_sync(ServedModel.load, cfg.head)
     log.info("loaded the head of %s (%d layers, context %d, draft %s%s, mode %s) on %s %s%s", head.model_id,
              head.num_layers, head.context_limit, cfg.head.draft,
-             ", draft forwards joined across requests" if head.joint is not None else "", cfg.head.mode, head.device,
+             ", work joined across requests: " + ", ".join(head.batching_stats()) if head.batching_stats() else "", cfg.head.mode, head.device,
              head.dtype, "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
     shutdown = trio.Event() if shutdown is None else shutdown
     # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group

@@ -192,3 +192,66 @@ def test_the_heads_own_load_counts_the_other_live_generations_rows(model: torch.
     assert 0.0 < drafter.load <= 1.0 and 0.0 <= other.load < drafter.load  # the other drafted more rows
     del other  # its generation ended: its rows compete no more
     assert drafter.load == 0.0
+
+
+def test_the_heads_own_span_steps_every_waiting_generations_window_at_once(tiny_qwen2_root) -> None:
+    """`--blocks` on a serving head: chains, a tree and a kept path from four generations, each with its own cache,
+    held so the second step takes three windows; each output and cache equals its generation stepped alone, and a
+    window its cache refuses fails only its own generation."""
+    from dsd.node.head.joint import JointSpan
+    from dsd.shard_store import Store, StoreError
+
+    store = Store(tiny_qwen2_root / "store")
+    span, head = store.load_span(0, 2), store.load_head()
+    joint = JointSpan(span)
+    hold = threading.Event()
+    original = joint.joiner._run
+    waiting = [3]
+
+    def run(items):
+        if not hold.is_set():
+            hold.set()
+            deadline = time.monotonic() + 10
+            while joint.joiner.queued < waiting[0] and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return original(items)
+
+    joint.joiner._run = run  # type: ignore[method-assign]
+    tree = [-1, 0, 0, 1]
+
+    def generation(stepper, prompt: list[int], i: int) -> list[torch.Tensor]:
+        cache = span.new_cache()
+        out = [stepper.step(head.embed(torch.tensor([prompt])), 0, cache)]
+        at = len(prompt)
+        if i % 2:  # a tree window, then its path 0 -> 1 -> 3 kept with the next chain
+            out.append(stepper.step(head.embed(torch.tensor([[5, 6, 7, 8]])), at, cache, commit=at, parents=tree))
+            out.append(stepper.step(head.embed(torch.tensor([[9]])), at + 3, cache, commit=at, keep=[0, 1, 3]))
+        else:  # a chain window, two of its rows kept
+            out.append(stepper.step(head.embed(torch.tensor([[5, 6, 7]])), at, cache, commit=at))
+            out.append(stepper.step(head.embed(torch.tensor([[9]])), at + 2, cache, commit=at + 2))
+        return out
+
+    together = in_threads([lambda p=p, i=i: generation(joint, p, i) for i, p in enumerate(PROMPTS)])
+    for i, (prompt, got) in enumerate(zip(PROMPTS, together, strict=True)):
+        want = generation(span, prompt, i)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True)), prompt
+    assert joint.joiner.stats.calls == 3 * len(PROMPTS) and max(joint.joiner.stats.calls_per_run) >= 3
+    assert (joint.start, joint.end) == (0, 2)  # the rest is the span's
+
+    def caught(fn: Callable[[], torch.Tensor]) -> torch.Tensor | Exception:
+        try:
+            return fn()
+        except Exception as exc:
+            return exc
+
+    hold.clear()
+    waiting[0] = 2  # the first step is held until the refused window and a good one queue behind it: they run together
+    x = head.embed(torch.tensor([[5, 6, 7]]))
+    bad = span.new_cache()
+    got = in_threads([lambda: caught(lambda: joint.step(x, 0, span.new_cache())),
+                      lambda: caught(lambda: joint.step(x, 4, bad)), lambda: caught(lambda: joint.step(x, 0, span.new_cache()))])
+    assert isinstance(got[1], StoreError) and "start_pos 4 != cache length 0" in str(got[1])
+    alone = span.step(x, 0, span.new_cache())
+    assert torch.allclose(got[0], alone, atol=1e-5) and torch.allclose(got[2], alone, atol=1e-5)
+    assert joint.joiner.stats.calls_per_run.get(2, 0) >= 1 and bad.length == 0

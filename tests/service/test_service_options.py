@@ -11,11 +11,13 @@ Qwen2, 5 layers) that serve only layers 2:5:
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from support.models import hf_greedy
 from support.processes import DaemonSwarm, cli, cli_serve
 from transformers import AutoModelForCausalLM
@@ -54,10 +56,10 @@ def expected(tiny_qwen2_root: Path) -> tuple[str, int]:
     return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
 
 
-def complete(server: dict) -> dict:
-    """A greedy completion of PROMPT (token ids) from the service."""
+def complete(server: dict, prompt: list[int] = PROMPT) -> dict:
+    """A greedy completion of `prompt` (token ids) from the service."""
     r = httpx.post(server["url"] + "/v1/completions", timeout=120,
-                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0})
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": N_NEW, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -90,6 +92,20 @@ def test_a_head_serving_the_first_layers_completes_like_hf_and_shows_its_hop(
         (model,) = httpx.get(server["url"] + "/v1/models", timeout=30).json()["data"]
         assert model["dsd"]["local_blocks"] == [0, 2]
         assert ring(model["dsd"]["route"]) == [(0, 2, True), (2, 4, False), (4, 5, False)]
+
+        # concurrent requests (head batching, the default): their windows through 0:2 run as joint steps, and each
+        # gets what it gets alone
+        prompts = [PROMPT, [1, 250, 3, 3, 3, 3, 8], PROMPT[:5], [1, 9, 9, 40]]
+        alone = [complete(server, p)["choices"][0]["text"] for p in prompts]
+        for _ in range(3):  # whether a step holds several windows depends on timing: a few rounds make it sure
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                assert list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], prompts)) == alone
+            text = httpx.get(server["url"] + "/metrics", timeout=10).text
+            span = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if f.name.startswith("dsd_serve_joint") and s.labels.get("part") == "span"}
+            if span["dsd_serve_joint_calls"] > span["dsd_serve_joint_runs"] > 0:
+                break
+        assert span["dsd_serve_joint_calls"] > span["dsd_serve_joint_runs"] > 0, span  # some steps held several
 
 
 def test_a_head_without_a_store_fetches_its_files_from_the_peers(
