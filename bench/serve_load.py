@@ -19,6 +19,7 @@ streamed token (from sending the request), mean tokens per round trip and accept
     python bench/serve_load.py --models real --latency-ms 30 --modes ar,dsd --head-batching on,off \
         --clients 1,4,8 --reps 1 --max-tokens 32
     python bench/serve_load.py --models real --latency-ms 270 --arms ar:on,dsd:on,dsd:off --clients 1,4,8 --reps 1
+    python bench/serve_load.py --plot results/A.json results/B.json   # one PNG, a panel per file
 """
 
 from __future__ import annotations
@@ -167,11 +168,14 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                            "latency_ms": args.latency_ms, "max_tokens": args.max_tokens, "arms": []}
     with testnet(target, args.peers, args.latency_ms, work / "net") as state:
         row["testnet_up_s"] = state.up_seconds
-        for mode, batching in args.arms:
-            print(f"  [{mode}, head batching {batching}]", file=sys.stderr, flush=True)
-            row["arms"].append(arm(args, kind, state, target, draft, prompts, mode, batching, work))
-            write_json(args.out, {**args.meta, "runs": [*args.done, row], "partial": "the arms so far"})
+        for rep in range(args.passes):  # every arm once per pass, the passes one after another (ABC ABC)
+            for mode, batching in args.arms:
+                print(f"  [pass {rep + 1}: {mode}, head batching {batching}]", file=sys.stderr, flush=True)
+                done = arm(args, kind, state, target, draft, prompts, mode, batching, work)
+                row["arms"].append({**done, "pass": rep})
+                write_json(args.out, {**args.meta, "runs": [*args.done, row], "partial": "the arms so far"})
     row["cells"], row["exact"] = cells(row["arms"], args.latency_ms)
+    row["summary"] = summary(row["cells"])
     return row
 
 
@@ -215,11 +219,75 @@ def cells(arms: list[dict[str, Any]], latency_ms: float) -> tuple[list[dict[str,
             same = all(alone.get(k) == t for k, t in level["texts"].items()) and level["ok"] == level["requests"]
             exact = exact and same
             out.append({"clients": level["clients"], "mode": a["mode"], "head_batching": a["head_batching"] == "on",
-                        "latency_ms": latency_ms, "aggregate_tokens_per_s": level["aggregate_tokens_per_s"],
+                        "pass": a.get("pass", 0), "latency_ms": latency_ms, "aggregate_tokens_per_s": level["aggregate_tokens_per_s"],
                         "request_tokens_per_s_p50": level["request_tokens_per_s_p50"],
                         "request_tokens_per_s_p95": level["request_tokens_per_s_p95"],
                         "ttft_p50_s": level["ttft_p50_s"], "ttft_p95_s": level["ttft_p95_s"], "exact": same})
     return out, exact
+
+
+ARM_COLORS = {"ar on": "tab:blue", "ar off": "tab:cyan", "sd on": "tab:purple", "sd off": "tab:pink",
+              "dsd on": "tab:red", "dsd off": "tab:orange"}
+
+
+def arm_name(mode: str, batching: bool) -> str:
+    return f"{mode} {'on' if batching else 'off'}"
+
+
+def summary(cells_: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per client count: each arm's aggregate tokens/s over the passes (median, min, max), and the ratios the issue
+    asks about taken within each pass (same machine state), then their median and range."""
+    by: dict[tuple[int, str], dict[int, float]] = {}
+    for c in cells_:
+        by.setdefault((c["clients"], arm_name(c["mode"], c["head_batching"])), {})[c.get("pass", 0)] = c["aggregate_tokens_per_s"]
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+                "max": round(max(values), 3), "n": len(values)}
+
+    out: dict[str, Any] = {}
+    for clients in sorted({k[0] for k in by}):
+        arms = {name: per for (n, name), per in by.items() if n == clients}
+        row: dict[str, Any] = {name: spread(list(per.values())) for name, per in arms.items()}
+        for label, top, bottom in (("dsd on / ar on", "dsd on", "ar on"), ("dsd on / dsd off", "dsd on", "dsd off"),
+                                   ("dsd off / ar on", "dsd off", "ar on")):
+            if top in arms and bottom in arms:
+                ratios = [arms[top][p] / arms[bottom][p] for p in arms[top] if p in arms[bottom] and arms[bottom][p]]
+                if ratios:
+                    row[label] = spread(ratios)
+        out[str(clients)] = row
+    return out
+
+
+def plot(paths: Sequence[Path], png: Path) -> None:
+    """Aggregate tokens/s against concurrent clients, one panel per result file (link profile), one line per arm
+    (median over passes, bars from min to max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [run for path in paths for run in json.loads(path.read_text())["runs"]]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        table = run.get("summary") or summary(run["cells"])
+        names = sorted({name for row in table.values() for name in row if "/" not in name})
+        for name in names:
+            xs = [int(c) for c, row in table.items() if name in row]
+            med = [table[str(x)][name]["median"] for x in xs]
+            low = [m - table[str(x)][name]["min"] for x, m in zip(xs, med, strict=True)]
+            high = [table[str(x)][name]["max"] - m for x, m in zip(xs, med, strict=True)]
+            ax.errorbar(xs, med, yerr=[low, high], marker="o", capsize=3, label=name, color=ARM_COLORS.get(name))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({int(c) for c in table}), labels=[str(c) for c in sorted({int(c) for c in table})])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_title(f"{run['model_id']}, {run['peers']} peers, {run['latency_ms']:g} ms links")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,11 +302,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--head-batching", default="on", help="comma-separated: on, off (default on): an arm each")
     p.add_argument("--arms", default=None, metavar="MODE:on|off,...",
                    help="the arms themselves, in order (e.g. ar:on,dsd:on,dsd:off), instead of --modes x --head-batching")
+    p.add_argument("--passes", type=int, default=1, help="times the whole list of arms runs, in turn (default 1)")
+    p.add_argument("--plot", type=Path, nargs="+", default=None, metavar="RESULT",
+                   help="only draw the PNG of these result files (one panel each) next to the first, and exit")
     p.add_argument("--draft-quant", choices=("none", "int8"), default="int8",
                    help="the real draft's quantization (default int8, as in the headline; tiny drafts stay fp32)")
     p.add_argument("--state", type=Path, default=Path(".dsd/bench"), help="where stores, testnets and logs go")
     p.add_argument("--out", type=Path, default=None, help="result file (default results/serve_load-DATE.json)")
     args = p.parse_args(argv)
+    if args.plot:
+        png = args.plot[0].with_suffix(".png")
+        plot(args.plot, png)
+        print(png)
+        return 0
     kinds = model_kinds(p, args.models)
     args.clients = comma_list(p, "--clients", args.clients, int)
     args.modes = comma_list(p, "--modes", args.modes, str)
@@ -248,14 +324,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.arms or any(len(a) != 2 or a[0] not in ("ar", "sd", "dsd") or a[1] not in ("on", "off")
                             for a in args.arms):
         p.error("--modes takes ar, sd, dsd; --head-batching on, off; --arms MODE:on|off items")
-    if args.peers < 1 or args.reps < 1 or args.max_tokens < 1 or not args.clients or min(args.clients) < 1:
-        p.error("--peers, --reps, --max-tokens and every --clients value must be >= 1")
+    if (args.peers < 1 or args.reps < 1 or args.passes < 1 or args.max_tokens < 1 or not args.clients
+            or min(args.clients) < 1):
+        p.error("--peers, --reps, --passes, --max-tokens and every --clients value must be >= 1")
     args.out = args.out or RESULTS_DIR / f"serve_load-{today()}.json"
     args.meta, args.done = run_metadata("serve_load", args), []
     for kind in kinds:
         args.done.append(run(kind, args))
     results = {**args.meta, "runs": args.done}
     write_json(args.out, results)
+    plot([args.out], args.out.with_suffix(".png"))
     print(json.dumps(results, indent=1))
     return 0
 
