@@ -62,6 +62,7 @@ class DeadlineRule:
     slow_floor_s: float = 0.25
     slow_rounds: int = 3
     slow_cooldown: int = 12
+    hole_wait_s: float = 60.0  # blocks no live peer serves (a peer left): how long a generation waits for them
 
     def __post_init__(self) -> None:
         if not (self.k >= 1.0 and self.floor_s >= 0.0 and self.cap_s > 0.0):
@@ -72,6 +73,8 @@ class DeadlineRule:
             raise ValueError("need 1 <= min_samples <= history")
         if self.slow_factor <= 1.0 or self.slow_floor_s < 0.0 or self.slow_rounds < 1 or self.slow_cooldown < 0:
             raise ValueError("need slow_factor > 1, slow_floor_s >= 0, slow_rounds >= 1 and slow_cooldown >= 0")
+        if self.hole_wait_s < 0.0:
+            raise ValueError(f"hole_wait_s must be >= 0, got {self.hole_wait_s}")
 
     def deadline_s(self, expected_s: float | None) -> float:
         """Seconds to wait for a round expected to take `expected_s` (the cap when unknown)."""

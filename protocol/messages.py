@@ -63,7 +63,8 @@ ERROR_CODES = (
     "forbidden",
     "unreachable",  # the next hop of a route could not be reached
     "idle",  # a session closed after its idle timeout
-    "shutting_down",  # the peer is leaving; fail over
+    "draining",  # the peer is leaving the swarm (refusing new sessions, or ending them): fail over, no blame
+    "shutting_down",  # the same, from peers before "draining"
     "not_found",  # shard transfer: no such model or file on this peer
 )
 

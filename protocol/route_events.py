@@ -114,6 +114,7 @@ class TimePrefixes:
 @dataclass(frozen=True)
 class Plan:
     avoid: frozenset[str]
+    wait_s: float = 0.0  # blocks missing from the survey: survey again until they are served, this long at most
 
 
 @dataclass(frozen=True)

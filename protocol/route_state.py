@@ -26,8 +26,12 @@ so failover reads as a sequence of phases (`Phase`) instead of callbacks across 
   names.
 - A blamed hop that answers pings is never the end of a generation: with no route around it the head
   waits on the session it has (when the session still works) or reopens one on the same hops. A hop
-  that did not answer is pinged once more, with a long timeout, before a missing replacement ends the
-  generation.
+  that did not answer is pinged once more, with a long timeout; if it is still silent and no peer
+  serves its blocks, the head waits for the swarm to heal (`DeadlineRule.hole_wait_s`, surveying every second)
+  before a missing replacement ends the generation.
+- A peer that leaves (an `Error` with a `LEAVING` code: it is draining) is not pinged and not blamed:
+  the head plans around it at once (waiting for a hole it leaves to heal, as above) and never
+  blacklists it.
 """
 
 from __future__ import annotations
@@ -67,10 +71,11 @@ from .route_events import (
 __all__ = [
     "Await", "Broke", "DeadlinePassed", "Fail", "FailoverEvent", "Fault", "NoRoute", "Open", "OpenFailed",
     "Opened", "Phase", "Ping", "Pinged", "Plan", "Planned", "ResultArrived", "Resume", "RouteFailure",
-    "RouteState", "TimePrefixes", "Timed", "WindowSent", "first_silent", "slowest_hop",
+    "RouteState", "TimePrefixes", "Timed", "WindowSent", "first_silent", "slowest_hop", "LEAVING",
 ]
 
 REOPEN_PAUSE_S = 0.5  # before the one retry of a first route that failed to open
+LEAVING = frozenset({"draining", "shutting_down"})  # Error codes of a peer that leaves on purpose
 CONFIRM_FACTOR = 4.0  # the last ping of a peer blamed as dead waits this many times its first timeout
 
 
@@ -114,7 +119,7 @@ def short(peer: str) -> str:
 class _Verdict:
     """The judgement under way: why the route is being looked at, whom it blames, and what follows."""
 
-    why: str  # late | broke | slow | confirm
+    why: str  # late | broke | slow | confirm | left (the blamed is leaving on purpose) | hole (waiting for it to heal)
     fault: Fault | None = None
     blamed: tuple[str, ...] = ()
     unreachable: bool = False  # the blamed did not answer a ping
@@ -143,8 +148,10 @@ class RouteState:
         probe_timeout_s: float = 3.0,
         ping_timeout_s: float = 1.0,
         ping_rtts: float = 5.0,
+        hole_wait_s: float | None = None,
     ) -> None:
         self.rule = rule or DeadlineRule()
+        self.hole_wait_s = self.rule.hole_wait_s if hole_wait_s is None else hole_wait_s
         self.max_failovers = max_failovers
         self.trial_after = trial_after
         self.probe_timeout_s = probe_timeout_s
@@ -212,12 +219,15 @@ class RouteState:
         verdict, self._verdict = self._verdict, None
         if verdict is not None:
             error = verdict.fault.message if verdict.fault is not None else verdict.verdict
-            self.events.append(FailoverEvent(error, list(verdict.blamed), max(0.0, event.now - verdict.declared_at),
+            blamed = [] if verdict.why == "left" else list(verdict.blamed)  # a peer leaving on purpose is no culprit
+            self.events.append(FailoverEvent(error, blamed, max(0.0, event.now - verdict.declared_at),
                                              [h.peer_id for h in event.hops], verdict.verdict))
         return Resume(replay)
 
     def _open_failed(self, event: OpenFailed) -> Decision:
         self._open_attempts += 1
+        if self._leaving(event.fault):
+            return self._left(event.fault, self._verdict.declared_at if self._verdict is not None else event.now)
         if not self.opened_once and self._verdict is None and self._open_attempts == 1:
             return Open(self.hops, self.prior, pause_s=REOPEN_PAUSE_S)  # a stream failing to open is often transient
         fault = event.fault
@@ -252,10 +262,26 @@ class RouteState:
         return Ping(self.hops, self.ping_timeouts(self.hops))
 
     def _broke(self, event: Broke) -> Decision:
+        if self._leaving(event.fault):
+            return self._left(event.fault, event.now)
         self._verdict = _Verdict("broke", event.fault, declared_at=event.now, session_usable=False,
                                  verdict=event.fault.message)
         self.phase = Phase.PINGING
         return Ping(self.hops, self.ping_timeouts(self.hops))
+
+    @staticmethod
+    def _leaving(fault: Fault) -> bool:
+        return fault.code in LEAVING and bool(fault.peer)
+
+    def _left(self, fault: Fault, declared_at: float) -> Decision:
+        """A peer leaves on purpose: plan around it at once (no pings, no blame), waiting for its hole to heal."""
+        assert fault.peer is not None
+        self._verdict = _Verdict("left", fault, blamed=(fault.peer,), declared_at=declared_at, session_usable=False,
+                                 verdict=f"{short(fault.peer)} is leaving the swarm")
+        if self.recoveries >= self.max_failovers:
+            return self._give_up(self._verdict)
+        self.phase = Phase.PLANNING
+        return Plan(frozenset(self._verdict.blamed), wait_s=self.hole_wait_s)
 
     # --- probes ---------------------------------------------------------------------------------------
 
@@ -263,10 +289,14 @@ class RouteState:
         verdict = self._verdict
         assert verdict is not None, "pings answered with no verdict under way"
         silent = tuple(event.silent)
-        if verdict.why == "confirm":  # the last ping before a missing replacement ends the generation
+        if verdict.why == "confirm":  # the last ping before waiting for the swarm to heal around them
             still = tuple(p for p in verdict.blamed if p in silent)
             if still:
-                return self._fail(verdict.verdict + "; no route avoids them", "no_route", list(still), self._missing)
+                verdict.why, verdict.blamed = "hole", still
+                if self.hole_wait_s <= 0:
+                    return self._fail(verdict.verdict + "; no route avoids them", "no_route", list(still), self._missing)
+                self.phase = Phase.PLANNING
+                return Plan(frozenset(still), wait_s=self.hole_wait_s)
             verdict.unreachable = False  # they answer now: alive after all
             return self._alive_without_replacement(verdict, event.now)
         if silent:
@@ -345,7 +375,8 @@ class RouteState:
                 return self._keep()
             verdict.verdict += f" where a route without it is estimated at {faster:.2f} s"
         forget = verdict.blamed if verdict.unreachable else ()
-        return self._open(event.hops, event.prior, blacklist=verdict.blamed, forget=forget)
+        blacklist = () if verdict.why == "left" else verdict.blamed
+        return self._open(event.hops, event.prior, blacklist=blacklist, forget=forget)
 
     def _no_route(self, event: NoRoute) -> Decision:
         self.rtts.update(event.rtts)
@@ -355,6 +386,10 @@ class RouteState:
             return self._keep()
         verdict.verdict += f" ({event.message})"
         self._missing = tuple(event.missing)
+        if verdict.why in ("left", "hole"):  # the swarm did not heal within the wait
+            waited = f" within {self.hole_wait_s:.0f} s" if self.hole_wait_s > 0 else ""
+            return self._fail(f"{verdict.verdict}; no peer took over their blocks{waited}", "no_route",
+                              [] if verdict.why == "left" else list(verdict.blamed), self._missing)
         if verdict.unreachable:  # before a missing replacement ends it all: are they really gone?
             verdict.why = "confirm"
             self.phase = Phase.PINGING

@@ -112,11 +112,15 @@ def add_deadline_options(p: argparse.ArgumentParser) -> None:
     d.add_argument("--deadline-k", type=float, default=DeadlineRule.k, metavar="K", help=f"a window's result is awaited K × the p95 of measured rounds of its size (default {DeadlineRule.k:g})")
     d.add_argument("--deadline-floor", type=float, default=DeadlineRule.floor_s, metavar="S", help=f"... plus S seconds (default {DeadlineRule.floor_s:g})")
     d.add_argument("--deadline-cap", type=float, default=DeadlineRule.cap_s, metavar="S", help=f"... and never more than S seconds (default {DeadlineRule.cap_s:g})")
+    d.add_argument("--hole-wait-s", type=float, default=DeadlineRule.hole_wait_s, metavar="S", help=f"when no live peer serves some blocks (a peer left and none took over yet), wait up to S seconds for the swarm to heal before the generation fails, surveying every second and saying what is missing (default {DeadlineRule.hole_wait_s:g}; 0 = fail at once)")
 
 
 def deadline_rule(args: argparse.Namespace) -> DeadlineRule:
     """The deadline rule the options ask for."""
-    return DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap)
+    if args.hole_wait_s < 0:
+        raise SystemExit(f"dsd-node: --hole-wait-s must be >= 0, got {args.hole_wait_s:g}")
+    return DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap,
+                        hole_wait_s=args.hole_wait_s)
 
 
 def link_profile(args: argparse.Namespace) -> LinkProfile:

@@ -2,7 +2,8 @@
 
 Every role is this one process with different options: a bootstrap node (DHT
 only), a block peer (DHT + `/dsd/infer/1`), and — from the head's side — the
-sink of return legs. The daemon owns one nursery; SIGINT/SIGTERM cancel it.
+sink of return legs. The daemon owns one nursery; SIGINT/SIGTERM drain the peer (records withdrawn, new sessions
+refused, open ones given `--drain-s` to finish) and then cancel it; a second signal ends the sessions at once.
 What a serving peer loads lives in `loading` (imported only by a peer that serves).
 """
 
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -101,7 +103,7 @@ async def _serve_until_signal(
     cfg: DaemonConfig, node: P2PNode, info: dict, server: BlockServer | None, announcer: Announcer | None,
     task_status: trio.TaskStatus[dict],
 ) -> None:
-    """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and end the sessions together."""
+    """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and drain the sessions together."""
     print(f"dsd-node {node.peer_id} listening on {' '.join(node.addrs)}", flush=True)
     if cfg.ready_file:
         atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())
@@ -110,15 +112,26 @@ async def _serve_until_signal(
         async for signum in signals:
             log.warning("received %s: shutting down", signal.Signals(signum).name)
             break
-    # Withdraw the records and end the sessions (with an error frame) at once: a withdrawal can wait on
-    # a publication in flight, and sessions served meanwhile would keep heads on a peer that is leaving.
-    # Heads blacklist the peer whose error ended their session, so a record still listed misleads none.
-    async with trio.open_nursery() as stopping:
-        if announcer is not None:
-            stopping.start_soon(_withdraw, announcer)
-        if server is not None:
-            stopping.start_soon(server.shutdown, SHUTDOWN_DEADLINE_S / 2)
+        # Withdraw the records and drain at once: a withdrawal can wait on a publication in flight, and new
+        # sessions meanwhile are refused with "draining", which heads take as a reason to go elsewhere, not as blame.
+        now = trio.Event()
+        async with trio.open_nursery() as stopping:
+            stopping.start_soon(_second_signal, signals, now)
+            async with trio.open_nursery() as leaving:
+                if announcer is not None:
+                    leaving.start_soon(_withdraw, announcer)
+                if server is not None:
+                    leaving.start_soon(server.drain, cfg.drain_s, now, SHUTDOWN_DEADLINE_S / 2)
+            stopping.cancel_scope.cancel()
     log.warning("shut down cleanly")
+
+
+async def _second_signal(signals: AsyncIterator[int], now: trio.Event) -> None:
+    """A second SIGINT/SIGTERM while draining: end the open sessions now."""
+    async for signum in signals:
+        log.warning("received %s again: ending the open sessions now", signal.Signals(signum).name)
+        now.set()
+        return
 
 
 async def _withdraw(announcer: Announcer) -> None:

@@ -184,8 +184,8 @@ class RouteClient:
                     decision = state.handle(Pinged(tuple(silent), trio.current_time()))
                 case TimePrefixes(tokens=tokens, limit_s=limit_s):
                     decision = state.handle(Timed(await self._trial(tokens, limit_s), trio.current_time()))
-                case Plan(avoid=avoid):
-                    decision = state.handle(await self._plan(avoid))
+                case Plan(avoid=avoid, wait_s=wait_s):
+                    decision = state.handle(await self._plan(avoid, wait_s))
                 case Open():
                     decision = await self._open(decision)
 
@@ -197,11 +197,12 @@ class RouteClient:
                                     hidden_size=self._hidden_size, tokens=tokens, limit_s=limit_s, wire=self.wire)
         return tuple(times)
 
-    async def _plan(self, avoid: frozenset[str]) -> Planned | NoRoute:
-        """A route from a fresh survey without `avoid` and the blacklist, as the state takes it."""
+    async def _plan(self, avoid: frozenset[str], wait_s: float = 0.0) -> Planned | NoRoute:
+        """A route from a fresh survey without `avoid` and the blacklist, as the state takes it; with `wait_s`, blocks
+        no live peer serves are waited for that long (surveying again every second, saying what is missing)."""
         log.info("planning a route without %s", [short(p) for p in sorted(avoid)] or "new blame")
         try:
-            view = await self.swarm.plan(avoid)
+            view = await self.swarm.plan(avoid, wait_s=wait_s)
         except Exception as exc:  # the survey timed out, the DHT failed
             return NoRoute(f"the survey failed: {exc!r}", {}, trio.current_time())
         rtts = {pid: rtt for pid, rtt in view.rtts.items() if rtt is not None}

@@ -28,26 +28,26 @@ from .legs import ReturnLegs
 
 log = logging.getLogger(__name__)
 
-# A head that finds blocks missing before its first route waits this long for the swarm's records to show them.
-FIRST_ROUTE_WAIT_S = 10.0
 
 
 @asynccontextmanager
 async def open_route_client(
     node: P2PNode, legs: ReturnLegs, swarm: SwarmWatch, *, max_len: int, hops: Sequence[Hop] | None = None,
     wire: WireFormat | None = None, rule: DeadlineRule | None = None, avoid: frozenset[str] = frozenset(),
-    first_wait_s: float = FIRST_ROUTE_WAIT_S, **state_options: Any,
+    **state_options: Any,
 ) -> AsyncIterator[RouteClient]:
     """A `RouteClient` with its first session open on `hops`, else on a plan of `swarm` that leaves out `avoid`
-    (later failovers may use them), waiting up to `first_wait_s` for missing blocks to show up. `state_options`
-    go to `RouteState`. Raises `RouteGaveOut` (verdict no_route) when no route exists; an error inside the
+    (later failovers may use them), waiting up to the rule's `hole_wait_s` for missing blocks to be served (records lag
+    behind a peer that just started; a peer that left leaves a hole until another takes its blocks), as failovers do.
+    `state_options` go to `RouteState`. Raises `RouteGaveOut` (verdict no_route) when no route exists; an error inside the
     block comes out as itself, not wrapped in an exception group."""
+    hole_wait_s = (rule or DeadlineRule()).hole_wait_s
     async with owned_nursery() as nursery:
         if hops is None:
-            view = await swarm.plan(avoid, wait_s=first_wait_s)
+            view = await swarm.plan(avoid, wait_s=hole_wait_s)
             if view.plan is None:
                 assert view.error is not None
-                waited = f" (after waiting {first_wait_s:.0f} s for the swarm's records)" if first_wait_s > 0 else ""
+                waited = f" (after waiting {hole_wait_s:.0f} s for peers to serve them)" if hole_wait_s > 0 else ""
                 raise RouteGaveOut(RouteFailure("no_route", f"{view.error}{waited}",
                                                 missing_blocks=list(view.error.missing_blocks)))
             hops, prior = list(view.plan.protocol_hops()), plan_prior(view.plan)

@@ -137,8 +137,9 @@ class RouteSession:
                     OpenSession(self.id, self.model, first.start, first.end, self.max_len, route)
                 )
                 reply = await self._stream.receive()
-                if isinstance(reply, Error):
-                    raise RouteError(f"opening session: {reply.message}", peer=first.peer_id, code=reply.code)
+                if isinstance(reply, Error):  # the peer it names (a later hop that refused), else the first
+                    raise RouteError(f"opening session: {reply.message}", peer=self._blamed(reply, first.peer_id),
+                                     code=reply.code)
                 if not isinstance(reply, Ack):
                     raise RouteError(f"first peer answered {type(reply).__name__}", peer=first.peer_id)
                 self.links = [self.node.link_kind(first.peer_id, self._stream), *reply.links]

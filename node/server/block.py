@@ -226,7 +226,7 @@ class BlockServer:
                         self.metrics.error(error.code)
                         await send_quietly(session.downstream, error)
                     elif session.scope.cancelled_caught:
-                        error = Error("shutting_down", f"{me}: peer shutting down", session.id, me)
+                        error = Error("draining", f"{me}: this peer is leaving the swarm", session.id, me)
                         self.metrics.error(error.code)
                         await send_quietly(upstream, error)
                         await send_quietly(session.downstream, error)
@@ -263,7 +263,7 @@ class BlockServer:
 
     async def _open(self, msg: OpenSession, remote: str) -> Session:
         if self.closing:
-            raise SessionError("shutting_down", "this peer is shutting down")
+            raise SessionError("draining", "this peer is leaving the swarm: open the session on another peer")
         if msg.model != self.model_id:
             raise SessionError("bad_request", f"this peer serves model {self.model_id!r}, not {msg.model!r}")
         if not self.start <= msg.start < msg.end <= self.end:
@@ -328,6 +328,28 @@ class BlockServer:
         if (start, end) not in self._subspans:
             self._subspans[(start, end)] = self.span.sub(start, end)
         return self._subspans[(start, end)]
+
+    async def drain(self, drain_s: float, now: trio.Event, shutdown_s: float) -> None:
+        """Leave the swarm without failing anyone: refuse new sessions ("draining": heads go elsewhere, blaming no one),
+        let the open ones finish for up to `drain_s` (or until `now` is set), then `shutdown` what is left."""
+        self.closing = True
+        if self.sessions:
+            log.warning("draining: refusing new sessions; %d open may finish within %.0f s (signal again to end them "
+                        "now)", len(self.sessions), drain_s)
+            with trio.move_on_after(drain_s):
+                async with trio.open_nursery() as waiting:
+                    async def cut_short() -> None:
+                        await now.wait()
+                        waiting.cancel_scope.cancel()
+
+                    waiting.start_soon(cut_short)
+                    await self.ledger.wait_empty()
+                    waiting.cancel_scope.cancel()
+            if self.sessions:
+                log.warning("drained: ending the %d sessions still open (their heads fail over)", len(self.sessions))
+            else:
+                log.warning("drained: every session finished")
+        await self.shutdown(shutdown_s)
 
     async def shutdown(self, deadline_s: float) -> None:
         """Refuse new sessions, let windows being computed finish, then end every session with an error."""

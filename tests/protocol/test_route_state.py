@@ -124,8 +124,8 @@ def test_a_broken_session_with_a_live_culprit_and_no_replacement_reopens_on_the_
     assert isinstance(state.handle(DeadlinePassed(7.0)), Fail)  # failed for good
 
 
-def test_a_dead_hop_with_no_replacement_is_pinged_once_more_before_the_generation_ends() -> None:
-    state = RouteState(ROUTE, prior=PRIOR, rtts={"peer-c": 0.05})
+def test_a_dead_hop_with_no_replacement_is_pinged_once_more_then_its_hole_is_waited_for() -> None:
+    state = RouteState(ROUTE, prior=PRIOR, rtts={"peer-c": 0.05}, hole_wait_s=45.0)
     opened(state)
     due = late_window(state)
     first = state.handle(DeadlinePassed(due))
@@ -134,12 +134,63 @@ def test_a_dead_hop_with_no_replacement_is_pinged_once_more_before_the_generatio
     confirm = state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, due + 2, (4, 5)))
     assert isinstance(confirm, Ping) and confirm.hops == (C,)
     assert confirm.timeouts["peer-c"] == pytest.approx(CONFIRM_FACTOR * first.timeouts["peer-c"])
-    failed = state.handle(Pinged(("peer-c",), due + 3))
+    wait = state.handle(Pinged(("peer-c",), due + 3))  # still silent: wait for a peer to take over 4-5
+    assert wait == Plan(frozenset({"peer-c"}), wait_s=45.0)
+    failed = state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, due + 48, (4, 5)))
     assert isinstance(failed, Fail)
     failure = failed.failure
     assert failure.verdict == "no_route" and failure.blamed == ["peer-c"] and failure.missing_blocks == [4, 5]
-    assert "did not answer a ping" in failure.message and "4-5" in failure.message
+    assert "did not answer a ping" in failure.message and "4-5" in failure.message and "within 45 s" in failure.message
     assert failure.as_dict()["missing_blocks"] == [4, 5]
+
+
+def test_a_hole_that_heals_within_the_wait_resumes_the_generation() -> None:
+    state = RouteState(ROUTE, prior=PRIOR, rtts={"peer-c": 0.05})
+    opened(state)
+    due = late_window(state)
+    state.handle(DeadlinePassed(due))
+    state.handle(Pinged(("peer-c",), due + 1))
+    state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, due + 2, (4, 5)))
+    assert isinstance(state.handle(Pinged(("peer-c",), due + 3)), Plan)
+    healed = state.handle(Planned((A, B, D), PRIOR, {}, due + 30))  # a fresh peer took 4-5 after 27 s
+    assert healed == Open((A, B, D), PRIOR, blacklist=("peer-c",), forget=("peer-c",))
+    assert opened(state, now=due + 30.5) == Resume(replay=True)
+    (event,) = state.events
+    assert event.blamed == ["peer-c"] and event.seconds == pytest.approx(30.5)  # from the missed deadline
+
+
+def test_without_a_hole_wait_a_dead_hop_with_no_replacement_ends_the_generation_at_once() -> None:
+    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=0.0)
+    opened(state)
+    due = late_window(state)
+    state.handle(DeadlinePassed(due))
+    state.handle(Pinged(("peer-c",), due + 1))
+    state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, due + 2, (4, 5)))
+    failed = state.handle(Pinged(("peer-c",), due + 3))
+    assert isinstance(failed, Fail) and failed.failure.verdict == "no_route" and failed.failure.blamed == ["peer-c"]
+
+
+@pytest.mark.parametrize("code", ["draining", "shutting_down"])
+def test_a_peer_that_leaves_is_planned_around_at_once_without_pings_or_blame(code: str) -> None:
+    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=30.0)
+    opened(state)
+    plan = state.handle(Broke(Fault(code, "peer-b: this peer is leaving the swarm", "peer-b"), 2.0))
+    assert plan == Plan(frozenset({"peer-b"}), wait_s=30.0)  # no Ping first: it told us it is going
+    new = state.handle(Planned((A, D, C), PRIOR, {}, 2.2))
+    assert new == Open((A, D, C), PRIOR)  # nobody blacklisted, nobody forgotten
+    assert opened(state, now=2.3) == Resume(replay=True)
+    (event,) = state.events
+    assert event.blamed == [] and "leaving the swarm" in event.verdict and event.seconds == pytest.approx(0.3)
+
+
+def test_a_leaving_peer_refusing_the_first_session_is_not_retried_and_its_hole_can_end_the_generation() -> None:
+    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=30.0)
+    plan = state.handle(OpenFailed(Fault("draining", "peer-c: this peer is leaving the swarm", "peer-c"), 0.5))
+    assert plan == Plan(frozenset({"peer-c"}), wait_s=30.0)  # not the one retry on the same peers
+    failed = state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, 31.0, (4, 5)))
+    assert isinstance(failed, Fail)
+    assert failed.failure.verdict == "no_route" and failed.failure.blamed == [] and failed.failure.missing_blocks == [4, 5]
+    assert "leaving the swarm" in failed.failure.message and "within 30 s" in failed.failure.message
 
 
 def test_a_hop_that_answers_the_confirming_ping_was_alive_after_all() -> None:

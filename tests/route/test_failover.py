@@ -26,6 +26,7 @@ from dsd.node.route.backend import RouteBackend
 from dsd.node.route.errors import RouteGaveOut
 from dsd.node.route.open import open_route_client
 from dsd.node.testnet.processes import pid_alive
+from dsd.protocol.deadlines import DeadlineRule
 from dsd.shard_store import Store
 
 pytestmark = pytest.mark.network
@@ -62,16 +63,16 @@ def pid_of(testnet: dict, peer_id: str) -> int:
     return next(p["pid"] for p in testnet["peers"] if p["peer_id"] == peer_id)
 
 
-async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str], sig: int = signal.SIGKILL,
-                         freeze_first: int | None = None):
-    """Generate greedily; after the given numbers of tokens, signal the route's hop at the given position
-    (SIGSTOPping `freeze_first` just before)."""
+async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str],
+                         sig: int | tuple[int, ...] = signal.SIGKILL, freeze_first: int | None = None, rule=None):
+    """Generate greedily; after the given numbers of tokens, send the route's hop at the given position `sig` (each of
+    them, in turn) (SIGSTOPping `freeze_first` just before)."""
     head = store.load_head()
     killed: list[str] = []
     killed_at: list[float] = []
     gaps: list[float] = []  # seconds from a kill to the next accepted tokens
     async with head_node([testnet["bootstrap"]]) as (node, legs):
-        async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256) as client:
+        async with open_route_client(node, legs, swarm_of(node, MODEL, 5), max_len=256, rule=rule) as client:
             engine = HeadEngine(RouteBackend(head, client, timeout_s=60), NgramDrafter(),
                                 GenerationConfig(mode="dsd", max_new_tokens=N_NEW, gamma=3))
             produced = 0
@@ -88,7 +89,8 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
                         victim = hops[0] if which == "first" else hops[-1]
                         if freeze_first is not None:
                             os.kill(freeze_first, signal.SIGSTOP)
-                        os.kill(pid_of(testnet, victim.peer_id), sig)
+                        for one in sig if isinstance(sig, tuple) else (sig,):
+                            os.kill(pid_of(testnet, victim.peer_id), one)
                         killed_at.append(time.monotonic())
                         killed.append(victim.peer_id)
 
@@ -102,26 +104,31 @@ async def run_with_kills(testnet: dict, store: Store, kill_after: dict[int, str]
             return result, None, engine.result.tokens, client.events, killed
 
 
-def test_sigterm_mid_generation_fails_over_and_the_peer_exits_cleanly(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
-    """The bootstrap DHT node is frozen as the peer is stopped: the peer's withdrawal waits on it, and
-    its sessions must end at once all the same (the rest of the generation takes well under a second)."""
+def test_a_peer_stopped_twice_mid_generation_ends_its_sessions_at_once_and_is_not_blamed(
+    replicated: dict, tiny_qwen2_root: Path, expected: list[int]
+) -> None:
+    """SIGTERM then SIGTERM again (drain, then "now") with the bootstrap DHT node frozen: the peer's withdrawal waits on
+    it, and its sessions must end at once all the same, with "draining": the head plans around the peer without pings
+    or blame (the rest of the generation takes well under a second)."""
     store = Store(tiny_qwen2_root / "store")
     boot = next(p["pid"] for p in replicated["peers"] if p["role"] == "bootstrap")
     try:
-        result, error, _, events, stopped = trio.run(run_with_kills, replicated, store, {12: "first"}, signal.SIGTERM,
-                                                     boot)
+        result, error, _, events, stopped = trio.run(run_with_kills, replicated, store, {12: "first"},
+                                                     (signal.SIGTERM, signal.SIGTERM), boot)
     finally:
         os.kill(boot, signal.SIGCONT)
     assert error is None, error
     assert result.tokens == expected
-    assert len(events) == 1 and events[0].blamed == stopped
+    assert len(events) == 1 and events[0].blamed == [] and "is leaving the swarm" in events[0].verdict, events
+    assert stopped[0] not in events[0].new_route
     peer = next(p for p in replicated["peers"] if p["peer_id"] == stopped[0])
     deadline = time.monotonic() + 20
     while pid_alive(peer["pid"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(peer["pid"])
     log = Path(peer["log"]).read_text()
-    assert "received SIGTERM" in log and "shut down cleanly" in log
+    assert "received SIGTERM" in log and "received SIGTERM again: ending the open sessions now" in log
+    assert "shut down cleanly" in log
     # The next tests share this swarm: its records expired while the bootstrap was frozen (TTL 6 s).
     trio.run(wait_for_records, replicated, {p["peer_id"] for p in replicated["peers"]
                                             if p["role"] != "bootstrap" and p["peer_id"] != stopped[0]})
@@ -141,10 +148,11 @@ def test_killed_peer_is_replaced_and_output_is_unchanged(replicated: dict, tiny_
 def test_no_replacement_stops_with_missing_blocks_and_keeps_the_prefix(replicated: dict, tiny_qwen2_root: Path, expected: list[int]) -> None:
     """Runs after the test above: the span that lost a replica loses its other one too."""
     store = Store(tiny_qwen2_root / "store")
-    result, error, progress, _, killed = trio.run(run_with_kills, replicated, store, {8: "last"})
+    result, error, progress, _, killed = trio.run(run_with_kills, replicated, store, {8: "last"}, signal.SIGKILL, None,
+                                                  DeadlineRule(hole_wait_s=3.0))
     assert result is None
     assert isinstance(error, RouteGaveOut) and error.failure.verdict == "no_route"
     assert error.failure.missing_blocks == [3, 4] and error.failure.blamed == killed
-    assert "3-4" in str(error)
+    assert "3-4" in str(error) and "no peer took over their blocks within 3 s" in str(error)
     assert 8 <= len(progress) < N_NEW
     assert progress == expected[: len(progress)]
