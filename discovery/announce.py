@@ -83,6 +83,12 @@ class Announcer:
             self.published += 1
         return stored
 
+    async def publish_now(self) -> int:
+        """Publish the current record(s) at once (after what they say changed: a peer that moved its span), never
+        alongside another publication; the refreshes go on as before."""
+        async with self._publishing:
+            return await self.publish_once()
+
     async def _put(self, recs: list[PeerRecord]) -> int:
         by_model: dict[str, list[bytes]] = {}
         for r in recs:

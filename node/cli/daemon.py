@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     nat.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None, help="serve circuit relay v2 for peers behind NATs (default: on for --bootstrap-only, off otherwise)")
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
+    p.add_argument("--rebalance-s", type=float, default=60.0, metavar="S", help="a block peer looks at the swarm about every S seconds (jittered) and moves its span where the swarm is worse covered: to fill blocks no one serves, or to raise the least-served block's throughput by 25 %%, never leaving a block it alone serves, and only when two looks in a row agree (docs/failures.md); 0 = never move (default 60)")
     p.add_argument("--drain-s", type=float, default=30.0, metavar="S", help="on SIGTERM or Ctrl-C: withdraw the records, refuse new sessions (heads go elsewhere, blaming no one) and let open ones finish for up to S seconds before ending them (their heads fail over at once); a second signal ends them now (default 30)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this peer's Prometheus metrics at http://HOST:P/metrics (sessions, forward step times by window size, bytes, KV tokens, errors by code); 0 = any free port, its URL goes to --ready-file (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address --metrics-port listens on (default 127.0.0.1: this machine only)")
@@ -93,8 +94,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         fault = faulty_option(args)
         batching = BatchOptions(enabled=args.batching == "on", max_tokens=args.max_batch_tokens)
-        if args.drain_s < 0:
-            raise ValueError(f"--drain-s must be >= 0, got {args.drain_s:g}")
+        if args.drain_s < 0 or args.rebalance_s < 0:
+            raise ValueError(f"--drain-s and --rebalance-s must be >= 0, got {args.drain_s:g} and {args.rebalance_s:g}")
     except ValueError as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
@@ -124,6 +125,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         allow_peers=read_allow_list(args.allow_peers),
         record_ttl_s=args.record_ttl,
         drain_s=args.drain_s,
+        rebalance_s=args.rebalance_s,
         federated=args.federated,
         topk_cap=args.topk_cap,
         topk_codec=args.topk_codec,

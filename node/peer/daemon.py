@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from dsd.discovery.announce import Announcer
-from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import load_or_create_identity
 from dsd.discovery.nat import NatOptions
 from dsd.discovery.relays import keep_relays, relay_announcer
@@ -63,7 +62,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
             failure = exc
             nursery.cancel_scope.cancel()
         if failure is None:
-            await _serve_until_signal(cfg, peer.node, info, server, announcer, task_status)
+            await _serve_until_signal(cfg, peer, info, server, announcer, task_status)
             nursery.cancel_scope.cancel()
     if failure is not None:
         raise failure
@@ -96,14 +95,19 @@ async def _start_serving(
             raise OSError(f"--metrics-port {cfg.metrics_port}: {exc}") from None
     if announcer is not None:
         await nursery.start(announcer.run)
+    if server is not None and announcer is not None and prepared is not None and cfg.rebalance_s > 0:
+        from .rebalance import Rebalancer
+
+        await nursery.start(Rebalancer(prepared, peer, announcer, cfg.rebalance_s, SHUTDOWN_DEADLINE_S / 2, info).run)
     return info, server, announcer
 
 
 async def _serve_until_signal(
-    cfg: DaemonConfig, node: P2PNode, info: dict, server: BlockServer | None, announcer: Announcer | None,
+    cfg: DaemonConfig, peer: Peer, info: dict, server: BlockServer | None, announcer: Announcer | None,
     task_status: trio.TaskStatus[dict],
 ) -> None:
     """Say we are ready, wait for SIGINT/SIGTERM, then withdraw the records and drain the sessions together."""
+    node = peer.node
     print(f"dsd-node {node.peer_id} listening on {' '.join(node.addrs)}", flush=True)
     if cfg.ready_file:
         atomic_write_bytes(cfg.ready_file, json.dumps(info, indent=2).encode())
@@ -120,8 +124,9 @@ async def _serve_until_signal(
             async with trio.open_nursery() as leaving:
                 if announcer is not None:
                     leaving.start_soon(_withdraw, announcer)
-                if server is not None:
-                    leaving.start_soon(server.drain, cfg.drain_s, now, SHUTDOWN_DEADLINE_S / 2)
+                if server is not None:  # the span served now (a peer that moved serves another than at start)
+                    current = peer.dispatcher.server or server
+                    leaving.start_soon(current.drain, cfg.drain_s, now, SHUTDOWN_DEADLINE_S / 2)
             stopping.cancel_scope.cancel()
     log.warning("shut down cleanly")
 

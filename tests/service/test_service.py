@@ -50,12 +50,13 @@ def swarm(chat_root: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def server(swarm: dict, chat_root: Path, tiny_qwen2_draft_store: Path, tmp_path_factory: pytest.TempPathFactory):
-    """`dsd-node serve` on a free port with an API key, a draft model and 5 ms added to every frame it sends."""
+    """`dsd-node serve` on a free port with an API key, a draft model and 5 ms added to every frame it sends; a
+    request finding blocks unserved waits 10 s for them (not the default 60: the last test makes such a hole)."""
     state = tmp_path_factory.mktemp("service")
     (state / "key").write_text(KEY + "\n")
     with cli_serve(state, swarm["bootstrap"], chat_root / "store", "--draft", str(tiny_qwen2_draft_store),
                    "--api-key", str(state / "key"), "--max-concurrent", str(MAX_CONCURRENT), "--queue", str(QUEUE),
-                   "--wan-latency-ms", "5") as info:
+                   "--wan-latency-ms", "5", "--hole-wait-s", "10") as info:
         yield info
 
 

@@ -1,0 +1,121 @@
+"""A block peer that moves its span when the swarm would be better covered elsewhere (issue 56): the loop and the
+move. The decision is `dsd.discovery.rebalance` (pure); this module reads the records, loads, swaps and drains.
+
+Every `--rebalance-s` (jittered between half and one and a half of it, so peers do not look at once) the peer reads
+the model's records and asks `move_target`; a move chosen at two checks in a row is made: the new span is loaded
+from the peer's store beside the old one and measured; if a last look still asks for it (another peer that saw the
+same hole may have moved meanwhile), it is served (new sessions go to it) and the records say so at once;
+the old span drains as a stopped peer does (its open sessions get `--drain-s` to finish, then end with "draining",
+which heads take as a reason to go elsewhere, not as blame).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import trio
+
+from dsd.discovery.announce import Announcer, fetch_records
+from dsd.discovery.rebalance import Confirm, Move, move_target
+from dsd.node.fetch.local import manifest_sha256
+from dsd.node.fetch.plan import span_files
+from dsd.node.fetch.shard_server import announce_manifest
+from dsd.node.server.block import BlockServer
+
+from .host import Peer
+from .loading import Prepared, announced_throughput
+
+log = logging.getLogger(__name__)
+
+SURVEY_TIMEOUT_S = 30.0  # a check whose records take longer is skipped
+
+
+class Rebalancer:
+    """Checks the swarm every `interval_s` (jittered) and moves this peer's span when two checks in a row say so."""
+
+    def __init__(self, prepared: Prepared, peer: Peer, announcer: Announcer, interval_s: float, shutdown_s: float,
+                 info: dict[str, Any]) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.prepared, self.peer, self.announcer, self.interval_s = prepared, peer, announcer, interval_s
+        self.shutdown_s = shutdown_s
+        self.info = info
+        self.moves: list[dict[str, Any]] = []  # every move made: when, from, to, and the coverage before and after
+        self.checks = 0
+        self._confirm = Confirm()
+
+    @property
+    def server(self) -> BlockServer:
+        server = self.peer.dispatcher.server
+        assert server is not None
+        return server
+
+    def holds(self, span: tuple[int, int]) -> bool:
+        """Whether the peer's store holds the files of `span` (a fetched store holds only the span it fetched)."""
+        store = self.prepared.store
+        return all((store.path / name).exists() for name in span_files(store.manifest, *span))
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Check and move until cancelled (or the server closes); `task_status` once started. Old spans drain in
+        the loop's own nursery."""
+        async with trio.open_nursery() as draining:
+            task_status.started()
+            while not self.server.closing:
+                await trio.sleep(self.interval_s * random.uniform(0.5, 1.5))
+                move = await self.check()
+                if self._confirm.seen(move):
+                    assert move is not None
+                    await self.move(move, draining)
+
+    async def check(self) -> Move | None:
+        """One look at the swarm: the move it asks for, or None (a survey that fails is a look that saw nothing)."""
+        self.checks += 1
+        server, store = self.server, self.prepared.store
+        num_layers = int(store.manifest.num_layers)
+        try:
+            with trio.fail_after(SURVEY_TIMEOUT_S):
+                records = await fetch_records(self.peer.node, server.model_id, num_layers)
+        except Exception as exc:  # the DHT failed or timed out: look again at the next check
+            log.info("rebalance check skipped: reading the records failed (%r)", exc)
+            return None
+        move = move_target(records, self.peer.node.peer_id, (server.start, server.end), server.throughput, num_layers)
+        if move is not None and not self.holds(move.to):
+            log.info("rebalance: %s would help, but this peer's store lacks those layers' files", move.describe())
+            return None
+        if move is not None:
+            log.info("rebalance: %s (made once the next check agrees)", move.describe())
+        return move
+
+    async def move(self, move: Move, draining: trio.Nursery) -> None:
+        """Load and serve `move.to`, announce it, and drain the old span in `draining`."""
+        cfg, store, placement = self.prepared.cfg, self.prepared.store, self.prepared.placement
+        old = self.server
+        log.warning("moving: %s", move.describe())
+        t0 = time.perf_counter()
+        start, end = move.to
+        new = await trio.to_thread.run_sync(
+            lambda: BlockServer(self.peer.node, store, start, end, limits=cfg.limits, wire=cfg.wire,
+                                device=placement.device, dtype=placement.dtype, fault=cfg.fault,
+                                batching=cfg.batching, weights=placement.weights, metrics=old.metrics))
+        throughput = await announced_throughput(cfg, new)
+        if old.closing:  # the peer was stopped meanwhile: it leaves from where it was
+            log.warning("not moving: this peer is stopping")
+            return
+        again = await self.check()  # another peer may have moved while this one loaded (both saw the same hole)
+        if again is None or again.to != move.to:
+            log.warning("not moving: the swarm changed while blocks %d:%d loaded (%s)", start, end,
+                        "nothing to do now" if again is None else f"now {again.describe()}")
+            return
+        self.peer.dispatcher.server = new  # new sessions from here on
+        self.announcer.record_fn = announce_manifest(new.records, manifest_sha256(store.path))
+        await self.announcer.publish_now()
+        seconds = time.perf_counter() - t0
+        self.info.update(start=start, end=end, throughput=throughput)
+        self.moves.append({"at": time.time(), "from": list(move.span), "to": list(move.to), "seconds": round(seconds, 3),
+                           "before": move.before.describe(), "after": move.after.describe()})
+        log.warning("moved to blocks %d:%d in %.1f s (%.3g tokens/s); draining %d:%d (%d sessions open)", start, end,
+                    seconds, throughput, old.start, old.end, len(old.sessions))
+        draining.start_soon(old.drain, cfg.drain_s, trio.Event(), self.shutdown_s)
