@@ -9,8 +9,11 @@ block). A peer moves only
 - to the span `choose_blocks` would give a newcomer (the least-served window, the peers' own rule at start);
 - if that fills a hole, or raises the bottleneck by `MOVE_GAIN` (25 %);
 - and only once the same move was chosen at two checks in a row (`Confirm`): a swarm still settling after a
-  peer came or went, or another peer already moving to fill the same hole, is not followed (Petals moves on one
-  look and oscillates, its issue #389; its fix in review, #493, confirms twice).
+  peer came or went is not followed (Petals moves on one look and oscillates, its issue #389; its fix in review,
+  #493, confirms twice);
+- one at a time: every peer that would make the same move (a hole seen by all the peers that could fill it) waits
+  one more check per such peer ahead of it in peer-id order (`queue_position`), so the first moves, announces, and
+  the others see the hole filled instead of all moving at once and opening holes where they were.
 """
 
 from __future__ import annotations
@@ -81,14 +84,32 @@ def move_target(
     return None
 
 
+def queue_position(
+    records: Iterable[PeerRecord], me: str, move: Move, num_layers: int, *, gain: float = MOVE_GAIN,
+) -> int:
+    """How many other block peers would make the same move (to `move.to`) and come before `me` in peer-id order."""
+    recs = [r for r in records if r.role == "block"]
+    ahead = 0
+    for r in {r.peer_id: r for r in recs}.values():
+        if r.peer_id >= me or not 0 <= r.start < r.end <= num_layers or not r.throughput > 0:
+            continue
+        theirs = move_target(recs, r.peer_id, (r.start, r.end), r.throughput, num_layers, gain=gain)
+        ahead += theirs is not None and theirs.to == move.to
+    return ahead
+
+
 class Confirm:
-    """A move is made only when two checks in a row chose it (`seen` says whether this one confirms the last)."""
+    """A move is made once the same one was chosen at `needed` checks in a row (`seen` counts this check)."""
 
     def __init__(self) -> None:
         self._last: tuple[int, int] | None = None
+        self._times = 0
 
-    def seen(self, move: Move | None) -> bool:
+    def seen(self, move: Move | None, needed: int = 2) -> bool:
         target = None if move is None else move.to
-        confirmed = target is not None and target == self._last
-        self._last = None if confirmed else target
-        return confirmed
+        self._times = self._times + 1 if target is not None and target == self._last else int(target is not None)
+        self._last = target
+        if target is not None and self._times >= needed:
+            self._last, self._times = None, 0
+            return True
+        return False

@@ -2,9 +2,10 @@
 move. The decision is `dsd.discovery.rebalance` (pure); this module reads the records, loads, swaps and drains.
 
 Every `--rebalance-s` (jittered between half and one and a half of it, so peers do not look at once) the peer reads
-the model's records and asks `move_target`; a move chosen at two checks in a row is made: the new span is loaded
-from the peer's store beside the old one and measured; if a last look still asks for it (another peer that saw the
-same hole may have moved meanwhile), it is served (new sessions go to it) and the records say so at once;
+the model's records and asks `move_target`. A move chosen at two looks in a row (one more per peer that would make
+the same move and comes first: `queue_position`) is made: the new span is loaded from the peer's store beside the
+old one, announcing the tokens/s per layer measured at start; if a last look still asks for it (another peer that
+saw the same hole may have moved meanwhile), it is served (new sessions go to it) and the records say so at once;
 the old span drains as a stopped peer does (its open sessions get `--drain-s` to finish, then end with "draining",
 which heads take as a reason to go elsewhere, not as blame).
 """
@@ -19,14 +20,14 @@ from typing import Any
 import trio
 
 from dsd.discovery.announce import Announcer, fetch_records
-from dsd.discovery.rebalance import Confirm, Move, move_target
+from dsd.discovery.rebalance import Confirm, Move, move_target, queue_position
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import span_files
 from dsd.node.fetch.shard_server import announce_manifest
 from dsd.node.server.block import BlockServer
 
 from .host import Peer
-from .loading import Prepared, announced_throughput
+from .loading import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ SURVEY_TIMEOUT_S = 30.0  # a check whose records take longer is skipped
 
 
 class Rebalancer:
-    """Checks the swarm every `interval_s` (jittered) and moves this peer's span when two checks in a row say so."""
+    """Looks at the swarm every `interval_s` (jittered) and moves this peer's span when looks in a row say so."""
 
     def __init__(self, prepared: Prepared, peer: Peer, announcer: Announcer, interval_s: float, shutdown_s: float,
                  info: dict[str, Any]) -> None:
@@ -65,13 +66,14 @@ class Rebalancer:
             task_status.started()
             while not self.server.closing:
                 await trio.sleep(self.interval_s * random.uniform(0.5, 1.5))
-                move = await self.check()
-                if self._confirm.seen(move):
+                move, ahead = await self.look()
+                if self._confirm.seen(move, needed=2 + ahead):
                     assert move is not None
                     await self.move(move, draining)
 
-    async def check(self) -> Move | None:
-        """One look at the swarm: the move it asks for, or None (a survey that fails is a look that saw nothing)."""
+    async def look(self) -> tuple[Move | None, int]:
+        """One look at the swarm: the move it asks for (None: none, or a survey that failed) and how many peers that
+        would make the same move come first (`queue_position`)."""
         self.checks += 1
         server, store = self.server, self.prepared.store
         num_layers = int(store.manifest.num_layers)
@@ -81,13 +83,17 @@ class Rebalancer:
         except Exception as exc:  # the DHT failed or timed out: look again at the next check
             log.info("rebalance check skipped: reading the records failed (%r)", exc)
             return None
-        move = move_target(records, self.peer.node.peer_id, (server.start, server.end), server.throughput, num_layers)
-        if move is not None and not self.holds(move.to):
+        me = self.peer.node.peer_id
+        move = move_target(records, me, (server.start, server.end), server.throughput, num_layers)
+        if move is None:
+            return None, 0
+        if not self.holds(move.to):
             log.info("rebalance: %s would help, but this peer's store lacks those layers' files", move.describe())
-            return None
-        if move is not None:
-            log.info("rebalance: %s (made once the next check agrees)", move.describe())
-        return move
+            return None, 0
+        ahead = queue_position(records, me, move, num_layers)
+        log.info("rebalance: %s (made once %d looks in a row agree: %d peers would make it first)", move.describe(),
+                 2 + ahead, ahead)
+        return move, ahead
 
     async def move(self, move: Move, draining: trio.Nursery) -> None:
         """Load and serve `move.to`, announce it, and drain the old span in `draining`."""
@@ -100,11 +106,13 @@ class Rebalancer:
             lambda: BlockServer(self.peer.node, store, start, end, limits=cfg.limits, wire=cfg.wire,
                                 device=placement.device, dtype=placement.dtype, fault=cfg.fault,
                                 batching=cfg.batching, weights=placement.weights, metrics=old.metrics))
-        throughput = await announced_throughput(cfg, new)
+        # Same hardware, other layers: the tokens/s per layer it measured at start stay (a measurement now would
+        # say as much about what else runs on the machine as about the span).
+        new.throughput = throughput = old.throughput * (old.end - old.start) / (end - start)
         if old.closing:  # the peer was stopped meanwhile: it leaves from where it was
             log.warning("not moving: this peer is stopping")
             return
-        again = await self.check()  # another peer may have moved while this one loaded (both saw the same hole)
+        again, _ = await self.look()  # another peer may have moved while this one loaded (both saw the same hole)
         if again is None or again.to != move.to:
             log.warning("not moving: the swarm changed while blocks %d:%d loaded (%s)", start, end,
                         "nothing to do now" if again is None else f"now {again.describe()}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsd.discovery.rebalance import MOVE_GAIN, Confirm, Coverage, move_target
+from dsd.discovery.rebalance import MOVE_GAIN, Confirm, Coverage, move_target, queue_position
 from dsd.discovery.records import PeerRecord
 
 LAYERS = 8
@@ -67,3 +67,14 @@ def test_a_move_is_made_only_when_two_checks_in_a_row_choose_it() -> None:
     assert not confirm.seen(move_target(hole, "b", (0, 4), 10.0, LAYERS))  # seen once again: not yet
     assert confirm.seen(move_target(hole, "b", (0, 4), 10.0, LAYERS))  # twice in a row: move
     assert not confirm.seen(move_target(hole, "b", (0, 4), 10.0, LAYERS))  # a confirmed move starts over
+
+
+def test_peers_that_would_make_the_same_move_queue_in_peer_id_order() -> None:
+    hole = [rec("a", 0, 4), rec("b", 0, 4), rec("c", 4, 6)]  # a and b could both fill 6-7 (each moving to 4:8)
+    first, second = (move_target(hole, p, (0, 4), 10.0, LAYERS) for p in ("a", "b"))
+    assert first.to == second.to == (4, 8)
+    assert queue_position(hole, "a", first, LAYERS) == 0 and queue_position(hole, "b", second, LAYERS) == 1
+    confirm = Confirm()  # b waits one more look than a would
+    assert [confirm.seen(second, needed=3) for _ in range(3)] == [False, False, True]
+    moved = [rec("a", 4, 8), rec("b", 0, 4), rec("c", 4, 6)]  # a moved first: b has nothing left to do
+    assert move_target(moved, "b", (0, 4), 10.0, LAYERS) is None
