@@ -73,6 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_fetch_options(p, model_help=None)
     p.set_defaults(func=cmd_start)
 
+    st = sub.add_parser("stop", help="stop a running peer gracefully: it drains (new sessions go elsewhere, open ones "
+                                     "may finish within its --drain-s), then exits")
+    st.add_argument("ready_file", type=Path, metavar="READY_FILE", help="the peer's --ready-file (it holds its pid)")
+    st.add_argument("--now", action="store_true", help="end its open sessions at once (their heads fail over)")
+    st.add_argument("--wait", type=float, default=60.0, metavar="S", help="how long to wait for it to exit (default 60)")
+    st.set_defaults(func=cmd_stop)
+
     r = sub.add_parser("route", help="list the peers serving a model and the route a head would choose")
     r.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR")
     r.add_argument("--model", required=True, help="model id as announced (see `dsd-node store inspect`)")
@@ -81,6 +88,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_listen_option(r, "the head's")
     add_wan_options(r)
     r.set_defaults(func=cmd_route)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Signal the peer of a ready file (SIGTERM: drain; twice with --now) and wait for it to exit."""
+    import os
+    import signal
+    import time
+
+    from dsd.node.testnet.processes import pid_alive
+
+    try:
+        info = json.loads(args.ready_file.read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"dsd-node: cannot read a peer's pid from {args.ready_file}: {exc}", file=sys.stderr)
+        return 2
+    if not pid_alive(pid):
+        print(f"dsd-node: the peer of {args.ready_file} (pid {pid}) is not running", file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    if args.now:
+        time.sleep(0.3)  # a second signal sent before the first is read counts once
+        os.kill(pid, signal.SIGTERM)
+    print(f"stopping {info.get('peer_id', pid)}: " + ("ending its sessions now" if args.now else
+          "draining (new sessions go elsewhere; open ones may finish within its --drain-s)"), flush=True)
+    deadline = time.monotonic() + args.wait
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if pid_alive(pid):
+        print(f"dsd-node: still running after {args.wait:g} s (run again with --now to end its sessions)",
+              file=sys.stderr)
+        return 1
+    print("stopped", flush=True)
+    return 0
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 - a peer stopped once drains: the generation it serves finishes on it, a new session sent to it is refused with
   "draining" and the head plans around it at once, blaming and blacklisting no one; the peer then exits cleanly;
 - a peer killed with no replica leaves a hole: the head waits for the swarm to heal (saying what it waits for), a
-  fresh peer started with `--blocks auto` ends up in the hole, and the generation resumes where it was, exact.
+  fresh peer started with `--blocks auto` ends up in the hole, and the generation resumes where it was, exact;
+- `dsd-node stop` stops a peer gracefully and waits for it to exit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 from support.models import hf_greedy
-from support.processes import DaemonSwarm
+from support.processes import DaemonSwarm, cli
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import NgramDrafter
@@ -152,3 +153,18 @@ def test_a_hole_is_waited_for_and_the_generation_resumes_when_a_fresh_peer_takes
     assert event.seconds >= 3.0
     assert any("no live peer serves blocks 3-4" in r.getMessage() and "waiting up to" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records][-20:]
+
+
+def test_dsd_node_stop_drains_a_peer_and_waits_for_it_to_exit(swarm, tmp_path: Path) -> None:
+    """Last: `dsd-node stop READY_FILE` on the peer that took the hole above; a file that is no peer's is refused."""
+    net, _ = swarm
+    out = cli("stop", str(net.state / "fresh.json"), timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "draining (new sessions go elsewhere" in out.stdout and out.stdout.strip().endswith("stopped")
+    log = Path(net.state / "logs" / "fresh.log").read_text()
+    assert "received SIGTERM" in log and "shut down cleanly" in log
+    again = cli("stop", str(net.state / "fresh.json"), timeout=30)
+    assert again.returncode == 1 and "is not running" in again.stderr
+    (tmp_path / "bad.json").write_text("{}")
+    bad = cli("stop", str(tmp_path / "bad.json"), timeout=30)
+    assert bad.returncode == 2 and "cannot read a peer's pid" in bad.stderr
