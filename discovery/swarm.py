@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,37 @@ class Bans:
         return f"banned until {until} UTC: {ban.message[:80]}"
 
 
+CHANGES_KEPT = 50  # the swarm changes a watch remembers
+
+
+@dataclass(frozen=True)
+class SwarmChange:
+    """A block peer that joined, left or moved its span between two surveys (what the swarm page lists)."""
+
+    at_unix: float
+    peer_id: str
+    what: str  # joined | left | moved
+    span: tuple[int, int]
+    before: tuple[int, int] | None = None  # moved: the span it left
+
+    def as_dict(self) -> dict:
+        return {"at_unix": round(self.at_unix, 3), "peer_id": self.peer_id, "what": self.what,
+                "span": list(self.span), "before": None if self.before is None else list(self.before)}
+
+
+def swarm_changes(before: SwarmView, after: SwarmView, at_unix: float) -> list[SwarmChange]:
+    """The block peers that joined, left or moved between two views (by their live records)."""
+
+    def spans(view: SwarmView) -> dict[str, tuple[int, int]]:
+        return {r.peer_id: (r.start, r.end) for r in view.records if r.role == "block" and r.expires > at_unix}
+
+    old, new = spans(before), spans(after)
+    out = [SwarmChange(at_unix, p, "joined", span) for p, span in new.items() if p not in old]
+    out += [SwarmChange(at_unix, p, "moved", span, old[p]) for p, span in new.items() if p in old and old[p] != span]
+    out += [SwarmChange(at_unix, p, "left", span) for p, span in old.items() if p not in new]
+    return out
+
+
 class SwarmWatch:
     """The last `SwarmView` of `model` and when it was taken."""
 
@@ -131,6 +163,7 @@ class SwarmWatch:
         self.surveyed_unix = 0.0
         self.last_alive: dict[str, tuple[PeerRecord, float]] = {}  # peer id -> its last live record, unix time
         self.records: dict[str, PeerRecord] = {}  # peer id -> the newest record any survey fetched (alive or not)
+        self.changes: deque[SwarmChange] = deque(maxlen=CHANGES_KEPT)  # peers that joined, left or moved, oldest first
         self._lock = trio.Lock()
         self._wake = trio.Event()
 
@@ -224,6 +257,8 @@ class SwarmWatch:
                 del self.records[peer]
 
     def _note(self, before: SwarmView | None, view: SwarmView) -> None:
+        if before is not None:
+            self.changes.extend(swarm_changes(before, view, self.surveyed_unix))
         if self.on_survey is not None:
             self.on_survey(before, view)
         route = view.plan.peers if view.plan is not None else []

@@ -26,6 +26,7 @@ from .runner import RequestRecord, ServiceState
 
 SHORT_ID_CHARS = 12  # as `dsd-node route` prints peer ids
 REQUESTS_SHOWN = 20
+CHANGES_SHOWN = 12  # the newest swarm changes (joins, leaves, moves) the page lists
 PAGE = "page.html"
 
 
@@ -107,6 +108,7 @@ def swarm_body(state: ServiceState) -> dict[str, Any]:
         "missing_blocks": report["missing_blocks"],
         "error": report["error"],
         "bans": [{**b.as_dict(), "short_id": short_id(b.peer_id)} for b in watch.bans.active().values()],
+        "changes": [{**c.as_dict(), "short_id": short_id(c.peer_id)} for c in list(watch.changes)[-CHANGES_SHOWN:][::-1]],
         "requests": [_request(r) for r in list(state.records)[-REQUESTS_SHOWN:][::-1]],
         "service": {
             "mode": head.options.mode, "draft": draft_kind(head.options.draft), "running": state.admission.running,

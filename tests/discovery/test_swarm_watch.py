@@ -7,7 +7,7 @@ import pytest
 from dsd.discovery.planner import NoRouteError, plan_route
 from dsd.discovery.records import PeerRecord
 from dsd.discovery.survey import SwarmView
-from dsd.discovery.swarm import Blacklist, SwarmWatch
+from dsd.discovery.swarm import Blacklist, SwarmWatch, swarm_changes
 
 
 def rec(pid: str, start: int, end: int) -> PeerRecord:
@@ -51,3 +51,13 @@ def test_a_no_route_message_says_why_each_peer_was_left_out() -> None:
     for peer in ("routed", "frozen", "liar"):
         assert f"{peer[-8:]} ({why[peer]})" in message, message
     assert "gone (no RTT measured (unreachable))" in message
+
+
+def test_swarm_changes_name_the_peers_that_joined_left_or_moved() -> None:
+    before = SwarmView([rec("a", 0, 4), rec("b", 4, 8), rec("c", 0, 4)])
+    after = SwarmView([rec("a", 0, 4), rec("c", 4, 8), rec("d", 0, 4)])  # b left, c moved, d joined
+    got = {(c.peer_id, c.what, c.span, c.before) for c in swarm_changes(before, after, 1e9 + 10)}
+    assert got == {("b", "left", (4, 8), None), ("c", "moved", (4, 8), (0, 4)), ("d", "joined", (0, 4), None)}
+    assert swarm_changes(after, after, 1e9 + 10) == []
+    expired = SwarmView([rec("a", 0, 4), rec("c", 4, 8), rec("d", 0, 4)])
+    assert {c.peer_id for c in swarm_changes(expired, after, 3e9)} == set()  # both past expiry: no live record seen

@@ -119,8 +119,13 @@ def test_page_shows_a_stopped_peer_dead_and_its_layers_uncovered(chromium: str, 
         return any(r["attrs"].get("data-peer") == last["peer_id"] and cell(dom, r, "dead") is not None
                    for r in dom.with_class("peer"))
 
-    dom = page_until(chromium, profile, server["url"] + "/", shows_dead)
+    def shows_left(dom: Dom) -> bool:  # in the swarm changes: it withdrew its record on the way out
+        return any(r["attrs"].get("data-peer") == last["peer_id"] for r in dom.with_class("left"))
+
+    dom = page_until(chromium, profile, server["url"] + "/", lambda d: shows_dead(d) and shows_left(d))
     assert shows_dead(dom), [dom.text(r) for r in dom.with_class("peer")]
+    assert shows_left(dom), [dom.text(r) for r in dom.with_class("change")]
+    assert "3:5" in dom.text(next(r for r in dom.with_class("left") if r["attrs"]["data-peer"] == last["peer_id"]))
     assert [dom.text(e) for e in dom.with_class("layer")] == ["1", "1", "1", "0", "0"]
     assert "no complete route" in dom.by_id("route"), dom.by_id("route")
     shot = tmp_path_factory.mktemp("swarm_page_dead") / "swarm-page-dead-peer.png"
