@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
     p.add_argument("--rebalance-s", type=float, default=60.0, metavar="S", help="a block peer looks at the swarm about every S seconds (jittered) and moves its span where the swarm is worse covered: to fill blocks no one serves, or to raise the least-served block's throughput by 25 %%, never leaving a block it alone serves, and only when two looks in a row agree (docs/failures.md); 0 = never move (default 60)")
+    p.add_argument("--status-s", type=float, default=60.0, metavar="S", help="print a one-line status every S seconds (span, sessions, tokens served, load, reachability), also kept in --ready-file for `dsd-node status` (default 60; 0 = none)")
     p.add_argument("--drain-s", type=float, default=30.0, metavar="S", help="on SIGTERM or Ctrl-C: withdraw the records, refuse new sessions (heads go elsewhere, blaming no one) and let open ones finish for up to S seconds before ending them (their heads fail over at once); a second signal ends them now (default 30)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this peer's Prometheus metrics at http://HOST:P/metrics (sessions, forward step times by window size, bytes, KV tokens, errors by code); 0 = any free port, its URL goes to --ready-file (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address --metrics-port listens on (default 127.0.0.1: this machine only)")
@@ -80,6 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--wait", type=float, default=60.0, metavar="S", help="how long to wait for it to exit (default 60)")
     st.set_defaults(func=cmd_stop)
 
+    ss = sub.add_parser("status", help="what a running peer is doing: its span, sessions, tokens served, load, "
+                                       "reachability (from its --ready-file, refreshed every --status-s)")
+    ss.add_argument("ready_file", type=Path, metavar="READY_FILE", help="the peer's --ready-file")
+    ss.add_argument("--json", action="store_true", help="print the status as JSON")
+    ss.set_defaults(func=cmd_status)
+
     r = sub.add_parser("route", help="list the peers serving a model and the route a head would choose")
     r.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR")
     r.add_argument("--model", required=True, help="model id as announced (see `dsd-node store inspect`)")
@@ -90,6 +97,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_route)
 
 
+def _ready_info(path: Path) -> tuple[dict, int] | str:
+    """A peer's ready file and pid, or why they cannot be read."""
+    try:
+        info = json.loads(path.read_text())
+        return info, int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"cannot read a peer's pid from {path}: {exc}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print a running peer's last status line (or JSON); 1 when it is not running."""
+    import time
+
+    from dsd.node.peer.status import status_line
+    from dsd.node.testnet.processes import pid_alive
+
+    got = _ready_info(args.ready_file)
+    if isinstance(got, str):
+        print(f"dsd-node: {got}", file=sys.stderr)
+        return 2
+    info, pid = got
+    if not pid_alive(pid):
+        print(f"dsd-node: the peer of {args.ready_file} (pid {pid}) is not running", file=sys.stderr)
+        return 1
+    st = info.get("status")
+    if args.json:
+        print(json.dumps({"running": True, "pid": pid, **info}, indent=1))
+        return 0
+    if st is None:
+        print(f"{info.get('peer_id', pid)} is running; no status yet (the first comes after its --status-s)")
+        return 0
+    print(f"{info['peer_id']} (pid {pid}), {time.time() - st['at_unix']:.0f} s ago: {status_line(st)}")
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     """Signal the peer of a ready file (SIGTERM: drain; twice with --now) and wait for it to exit."""
     import os
@@ -98,12 +140,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     from dsd.node.testnet.processes import pid_alive
 
-    try:
-        info = json.loads(args.ready_file.read_text())
-        pid = int(info["pid"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"dsd-node: cannot read a peer's pid from {args.ready_file}: {exc}", file=sys.stderr)
+    got = _ready_info(args.ready_file)
+    if isinstance(got, str):
+        print(f"dsd-node: {got}", file=sys.stderr)
         return 2
+    info, pid = got
     if not pid_alive(pid):
         print(f"dsd-node: the peer of {args.ready_file} (pid {pid}) is not running", file=sys.stderr)
         return 1
@@ -135,8 +176,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         fault = faulty_option(args)
         batching = BatchOptions(enabled=args.batching == "on", max_tokens=args.max_batch_tokens)
-        if args.drain_s < 0 or args.rebalance_s < 0:
-            raise ValueError(f"--drain-s and --rebalance-s must be >= 0, got {args.drain_s:g} and {args.rebalance_s:g}")
+        if min(args.drain_s, args.rebalance_s, args.status_s) < 0:
+            raise ValueError("--drain-s, --rebalance-s and --status-s must be >= 0")
     except ValueError as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
@@ -167,6 +208,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         record_ttl_s=args.record_ttl,
         drain_s=args.drain_s,
         rebalance_s=args.rebalance_s,
+        status_s=args.status_s,
         federated=args.federated,
         topk_cap=args.topk_cap,
         topk_codec=args.topk_codec,

@@ -42,6 +42,7 @@ class DaemonConfig:
     record_ttl_s: float = 30.0
     drain_s: float = 30.0  # on SIGTERM/SIGINT: how long open sessions may go on before they are ended (`--drain-s`)
     rebalance_s: float = 60.0  # how often (jittered) a block peer checks whether to move its span; 0 = never
+    status_s: float = 60.0  # a status line to stdout (and into the ready file) this often; 0 = none
     seed: int | None = None
     federated: bool = False  # serve the whole model as a federated worker (`/dsd/federated/1`)
     topk_cap: int | None = None  # federated: largest K returned (default: the vocabulary)

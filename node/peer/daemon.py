@@ -62,6 +62,8 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
             failure = exc
             nursery.cancel_scope.cancel()
         if failure is None:
+            if cfg.status_s > 0:
+                nursery.start_soon(_report_status, cfg, peer, announcer, info)
             await _serve_until_signal(cfg, peer, info, server, announcer, task_status)
             nursery.cancel_scope.cancel()
     if failure is not None:
@@ -129,6 +131,27 @@ async def _serve_until_signal(
                     leaving.start_soon(current.drain, cfg.drain_s, now, SHUTDOWN_DEADLINE_S / 2)
             stopping.cancel_scope.cancel()
     log.warning("shut down cleanly")
+
+
+async def _report_status(cfg: DaemonConfig, peer: Peer, announcer: Announcer | None, info: dict) -> None:
+    """Tell the volunteer in plain lines what this peer serves and why, how it is reached and that it is announced;
+    then one status line every `cfg.status_s`, also kept in the ready file (`dsd-node status`)."""
+    from .status import peer_status, status_line, why_serving, write_status
+
+    if "start" in info:
+        print(why_serving(info, cfg.blocks), flush=True)
+    reach = {"public": "reachable directly (AutoNAT: peers dialled it back)",
+             "private": "behind a NAT: reached through relays, hole punches tried per link"}
+    print(reach.get(peer.node.reachability, f"reachability: {peer.node.reachability}"), flush=True)
+    if announcer is not None:
+        print(f"announced: records stored on {announcer.last_stored_at} DHT nodes, refreshed every "
+              f"{announcer.refresh_s:.0f} s", flush=True)
+    while True:
+        await trio.sleep(cfg.status_s)
+        st = peer_status(peer, announcer, info.get("role", "block"))
+        print(status_line(st), flush=True)
+        if cfg.ready_file:
+            write_status(cfg.ready_file, info, st)
 
 
 async def _second_signal(signals: AsyncIterator[int], now: trio.Event) -> None:

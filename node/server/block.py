@@ -133,6 +133,7 @@ class BlockServer:
         self._subspans: dict[tuple[int, int], SpanModule] = {(start, end): self.span}
         self.batcher = Batcher(batching)  # one step at a time: shutdown and the throughput probe hold its limiter too
         self.windows_served = 0
+        self.rows_served = 0  # window rows (drafted and committed tokens) run through the span
         self.closing = False
         self.throughput = 1.0
         self.metrics = metrics or PeerMetrics()
@@ -439,6 +440,7 @@ class BlockServer:
         self.metrics.observe_forward(hidden.shape[0], job.seconds, job.batch, msg.ahead)
         session.windows += 1
         self.windows_served += 1
+        self.rows_served += int(hidden.shape[0])
         wire = self.wire.encode(out)
         open_now = {sid for sid, _ in self.sessions}
         load = min(msg.load + self.batcher.meter.load(session.id, open_now), float(DEFAULT_LIMITS.max_route))

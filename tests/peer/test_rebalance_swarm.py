@@ -5,6 +5,7 @@ head's greedy generation over the healed swarm equals HF's."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import pytest
 import trio
 from support.heads import generate_on
 from support.models import hf_greedy
-from support.processes import DaemonSwarm
+from support.processes import DaemonSwarm, cli
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import NgramDrafter
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 MODEL = "tiny-qwen2"
 LAYERS = 5
 PROMPT = [1, 250, 3, 3, 3, 3, 8]
-LOOK = ("--rebalance-s", "1", "--record-ttl", "4")
+LOOK = ("--rebalance-s", "1", "--record-ttl", "4", "--status-s", "1")
 MOVED = re.compile(r"moved to blocks (\d+):(\d+)")
 
 
@@ -52,6 +53,13 @@ def test_a_stable_swarm_stays_still_and_a_hole_is_filled_by_exactly_one_move(swa
     net, peers = swarm
     time.sleep(6)  # several looks each: a and b share 0:3 and c alone serves 3:5; no move helps
     assert [moves(p) for p in peers.values()] == [[], [], []]
+    log = Path(peers["a"]["log"]).read_text()  # what a volunteer reads: what it serves and why, reachability,
+    assert "serving blocks 0:3 of tiny-qwen2 (5 layers): as asked (--blocks 0:3); weights fp32" in log  # announced
+    assert "reachable directly" in log and "announced: records stored on" in log
+    assert re.search(r"serving blocks 0:3 of tiny-qwen2 \(fp32\) · 0 sessions open · \d+ tokens served", log), log[-2000:]
+    out = cli("status", str(net.state / "a.json"), timeout=60)
+    assert out.returncode == 0 and "s ago: serving blocks 0:3 of tiny-qwen2 (fp32) · 0 sessions open" in out.stdout, (
+        out.stdout, out.stderr[-1000:])
     os.kill(peers["c"]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while not (moves(peers["a"]) or moves(peers["b"])) and time.monotonic() < deadline:
@@ -63,6 +71,10 @@ def test_a_stable_swarm_stays_still_and_a_hole_is_filled_by_exactly_one_move(swa
     mover = next(name for name, m in made.items() if m)
     log = Path(peers[mover]["log"]).read_text()
     assert "moving: blocks 0:3 -> 2:5 (2 unserved blocks" in log, log[-3000:]
+    time.sleep(1.5)  # a status line after the move
+    status = json.loads(cli("status", "--json", str(net.state / f"{mover}.json"), timeout=60).stdout)["status"]
+    assert (status["start"], status["end"]) == (2, 5)
+    assert cli("status", str(net.state / "c.json"), timeout=60).returncode == 1  # killed: not running
 
     store = Store(tiny_qwen2_root / "store")
     net.wait_route(MODEL, LAYERS)
