@@ -97,13 +97,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_route)
 
 
-def _ready_info(path: Path) -> tuple[dict, int] | str:
-    """A peer's ready file and pid, or why they cannot be read."""
+def _running_peer(path: Path) -> tuple[dict, int] | int:
+    """The ready info and pid of the running peer whose --ready-file `path` is; else, having said why on stderr, the
+    exit code (2: no pid to read, 1: not running)."""
+    from dsd.node.testnet.processes import pid_alive
+
     try:
         info = json.loads(path.read_text())
-        return info, int(info["pid"])
+        pid = int(info["pid"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"cannot read a peer's pid from {path}: {exc}"
+        print(f"dsd-node: cannot read a peer's pid from {path}: {exc}", file=sys.stderr)
+        return 2
+    if not pid_alive(pid):
+        print(f"dsd-node: the peer of {path} (pid {pid}) is not running", file=sys.stderr)
+        return 1
+    return info, pid
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -111,16 +119,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from dsd.node.peer.status import status_line
-    from dsd.node.testnet.processes import pid_alive
 
-    got = _ready_info(args.ready_file)
-    if isinstance(got, str):
-        print(f"dsd-node: {got}", file=sys.stderr)
-        return 2
+    got = _running_peer(args.ready_file)
+    if isinstance(got, int):
+        return got
     info, pid = got
-    if not pid_alive(pid):
-        print(f"dsd-node: the peer of {args.ready_file} (pid {pid}) is not running", file=sys.stderr)
-        return 1
     st = info.get("status")
     if args.json:
         print(json.dumps({"running": True, "pid": pid, **info}, indent=1))
@@ -140,14 +143,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     from dsd.node.testnet.processes import pid_alive
 
-    got = _ready_info(args.ready_file)
-    if isinstance(got, str):
-        print(f"dsd-node: {got}", file=sys.stderr)
-        return 2
+    got = _running_peer(args.ready_file)
+    if isinstance(got, int):
+        return got
     info, pid = got
-    if not pid_alive(pid):
-        print(f"dsd-node: the peer of {args.ready_file} (pid {pid}) is not running", file=sys.stderr)
-        return 1
     os.kill(pid, signal.SIGTERM)
     if args.now:
         time.sleep(0.3)  # a second signal sent before the first is read counts once
