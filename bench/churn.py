@@ -10,11 +10,14 @@ own libp2p node and swarm view, in this process) then generate greedily back to 
 
 Coverage is followed from the processes' side, every second: a peer counts from its ready file (its span, later
 its last "moved to blocks" log line) until it is signalled. A hole opens when some block has no such peer and heals
-when every block has one again. Every generation's tokens are compared with the model's own greedy tokens
+when every block has one again; a block *under* the stable swarm's coverage (each block twice, by default) is
+refilled when every block has that coverage again (`refill_p50_s`, `refill_p95_s`). Every generation's tokens are compared with the model's own greedy tokens
 (transformers, in this process): `exact`.
 
     python bench/churn.py                                   # 8 peers, 4 heads, 5 min stable + 10 min churn
     python bench/churn.py --stable-s 60 --churn-s 120       # a shorter look
+    python bench/churn.py --peers 6 --churn-every-s 15 --stable-s 120   # a thinner swarm, churned twice as often
+    python bench/churn.py --report results/churn-DATE.json  # holes and refills again from a result's samples
 
 Record: results/churn-DATE.json (`generations_finished`, `generations_failed`, `exact`, `heal_p95_s`,
 `moves_per_peer_stable`, `duration_s`, and the timeline) and a PNG of coverage and tokens/s over time beside it.
@@ -223,11 +226,12 @@ async def run(args: argparse.Namespace, swarm: Swarm, reference: list[list[int]]
             "t0": t0}
 
 
-def holes(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every stretch of samples with some block served by no live peer: when it opened, how long, which blocks."""
+def holes(samples: list[dict[str, Any]], below: int = 1) -> list[dict[str, Any]]:
+    """Every stretch of samples with some block served by fewer than `below` live peers (1: by none, a hole): when it
+    opened, how long until every block had `below` again, which blocks."""
     out, open_at, blocks = [], None, set()
     for s in samples:
-        missing = {b for b, n in enumerate(s["coverage"]) if n == 0}
+        missing = {b for b, n in enumerate(s["coverage"]) if n < below}
         if missing and open_at is None:
             open_at, blocks = s["t"], set(missing)
         elif missing:
@@ -254,8 +258,6 @@ def summarize(args: argparse.Namespace, swarm: Swarm, out: dict[str, Any]) -> di
                         "exact": all(x["exact"] for x in ok), "inexact": sum(1 for x in ok if not x["exact"]),
                         "tokens_per_s": round(sum(x["tokens"] for x in ok) / span, 3) if span else None,
                         "failovers": sum(len(x["failovers"]) for x in ok)}
-    hs = holes([s for s in out["samples"] if s["t"] >= stable_end])
-    healed = [h["seconds"] for h in hs if h["seconds"] is not None]
     stable_moves = {p.name: sum(1 for at in p.moved_at if at - out["t0"] < stable_end) for p in swarm.peers
                     if p.name in out["first_peers"]}
     per_peer_10min = (sum(stable_moves.values()) / max(1, len(stable_moves))) * 600.0 / max(1.0, stable_end)
@@ -263,12 +265,26 @@ def summarize(args: argparse.Namespace, swarm: Swarm, out: dict[str, Any]) -> di
         "generations_finished": by_phase["churn"]["generations_finished"] + by_phase["stable"]["generations_finished"],
         "generations_failed": by_phase["churn"]["generations_failed"] + by_phase["stable"]["generations_failed"],
         "exact": by_phase["churn"]["exact"] and by_phase["stable"]["exact"],
-        "heal_p50_s": percentile(healed, 0.5), "heal_p95_s": percentile(healed, 0.95), "holes": hs,
-        "unhealed_holes": sum(1 for h in hs if h["seconds"] is None),
+        **coverage_report(out),
         "moves_per_peer_stable": round(per_peer_10min, 3), "moves_in_stable_phase": stable_moves,
         "moves_per_peer_churn": {p.name: len(p.moves) for p in swarm.peers},
         "duration_s": round(out["churn_end"], 1), "phases": by_phase,
     }
+
+
+def coverage_report(result: dict[str, Any]) -> dict[str, Any]:
+    """From a result's samples: the holes of the churn phase and the stretches under the stable swarm's coverage."""
+    stable_end = result["stable_end"]
+    churn = [s for s in result["samples"] if s["t"] >= stable_end]
+    hs = holes(churn)
+    healed = [h["seconds"] for h in hs if h["seconds"] is not None]
+    full = min(min(s["coverage"]) for s in result["samples"] if s["t"] < stable_end)  # what the stable swarm had
+    thin = holes(churn, below=full)
+    rebuilt = [h["seconds"] for h in thin if h["seconds"] is not None]
+    return {"heal_p50_s": percentile(healed, 0.5), "heal_p95_s": percentile(healed, 0.95), "holes": hs,
+            "unhealed_holes": sum(1 for h in hs if h["seconds"] is None), "full_coverage": full,
+            "under_full": thin, "refill_p50_s": percentile(rebuilt, 0.5), "refill_p95_s": percentile(rebuilt, 0.95),
+            "under_full_share": round(sum(1 for s in churn if min(s["coverage"]) < full) / max(1, len(churn)), 3)}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -328,7 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state", type=Path, default=Path(".dsd/bench/churn"))
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None, metavar="RESULT",
+                   help="only recompute the holes and refills of a result file from its samples, write them back "
+                        "with its PNG, and exit")
     args = p.parse_args(argv)
+    if args.report is not None:
+        result = json.loads(args.report.read_text())
+        result.update(coverage_report(result))
+        write_json(args.report, result)
+        plot(result, args.report.with_suffix(".png"))
+        print(json.dumps({k: result[k] for k in ("heal_p50_s", "heal_p95_s", "unhealed_holes", "refill_p50_s",
+                                                   "refill_p95_s", "under_full_share")}, indent=1))
+        return 0
     if args.peers < 2 or args.heads < 1 or not 1 <= args.num_blocks <= args.layers:
         p.error("need --peers >= 2, --heads >= 1 and 1 <= --num-blocks <= --layers")
     out_path = args.out or RESULTS_DIR / f"churn-{today()}.json"
@@ -356,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_path, result)
     plot(result, out_path.with_suffix(".png"))
     keys = ("generations_finished", "generations_failed", "exact", "heal_p50_s", "heal_p95_s", "unhealed_holes",
-            "moves_per_peer_stable", "duration_s")
+            "refill_p50_s", "refill_p95_s", "moves_per_peer_stable", "duration_s")
     print(json.dumps({k: result[k] for k in keys}, indent=1))
     return 0
 
