@@ -150,6 +150,14 @@ async def probe_rtts(
     return rtts
 
 
+async def live_records(node: P2PNode, model: str, num_layers: int, timeout_s: float = 5.0) -> list[PeerRecord]:
+    """The model's block records whose peers answer a ping now (this node's own kept as it is): a killed peer's record
+    stays listed until its TTL, and a newcomer choosing its span or a peer deciding to move must not count it."""
+    records = [r for r in await fetch_records(node, model, num_layers) if r.role == "block"]
+    rtts = await probe_rtts(node, [r for r in records if r.peer_id != node.peer_id], timeout_s)
+    return [r for r in records if r.peer_id == node.peer_id or rtts.get(r.peer_id) is not None]
+
+
 async def survey(
     node: P2PNode, model: str, num_layers: int, *, blacklist: Iterable[str] | Mapping[str, str] = (), role: str = "block",
     blocks: tuple[int, int] | None = None, weights: str | None = None,

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 import trio
 
-from dsd.discovery.announce import Announcer, fetch_records
+from dsd.discovery.announce import Announcer
 from dsd.discovery.host import P2PNode
 from dsd.discovery.identity import load_or_create_identity
 from dsd.discovery.planner import choose_blocks
+from dsd.discovery.survey import live_records
 from dsd.node.federated.worker import FederatedWorker
 from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
@@ -187,9 +188,9 @@ async def choose_span(cfg: DaemonConfig, node: P2PNode, store: Store, want: int)
     num_layers = int(store.manifest.num_layers)
     if cfg.blocks not in (None, "auto"):
         return parse_blocks(cfg.blocks, num_layers)
-    records = await fetch_records(node, store.manifest.model_id, num_layers) if cfg.bootstrap else []
+    records = await live_records(node, store.manifest.model_id, num_layers) if cfg.bootstrap else []
     start, end = choose_blocks(records, num_layers, min(want, num_layers))
-    log.info("--blocks auto chose %d:%d (%d records seen)", start, end, len(records))
+    log.info("--blocks auto chose %d:%d (%d live peers' records seen)", start, end, len(records))
     return start, end
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import trio
 
-from dsd.discovery.announce import Announcer, fetch_records
+from dsd.discovery.announce import Announcer
 from dsd.discovery.rebalance import Confirm, Move, move_target, queue_position
+from dsd.discovery.survey import live_records
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import span_files
 from dsd.node.fetch.shard_server import announce_manifest
@@ -79,7 +80,7 @@ class Rebalancer:
         num_layers = int(store.manifest.num_layers)
         try:
             with trio.fail_after(SURVEY_TIMEOUT_S):
-                records = await fetch_records(self.peer.node, server.model_id, num_layers)
+                records = await live_records(self.peer.node, server.model_id, num_layers)
         except Exception as exc:  # the DHT failed or timed out: look again at the next check
             log.info("rebalance check skipped: reading the records failed (%r)", exc)
             return None
