@@ -154,7 +154,9 @@ async def live_records(node: P2PNode, model: str, num_layers: int, timeout_s: fl
     """The model's block records whose peers answer a ping now (this node's own kept as it is): a killed peer's record
     stays listed until its TTL, and a newcomer choosing its span or a peer deciding to move must not count it."""
     records = [r for r in await fetch_records(node, model, num_layers) if r.role == "block"]
-    rtts = await probe_rtts(node, [r for r in records if r.peer_id != node.peer_id], timeout_s)
+    # Every peer gets the whole `timeout_s` to answer (no early cut-off as a route's survey has): a live peer that
+    # is slow to dial must not look dead, or it would send peers to move into the "hole" it leaves.
+    rtts = await probe_rtts(node, [r for r in records if r.peer_id != node.peer_id], timeout_s, min_wait_s=timeout_s)
     return [r for r in records if r.peer_id == node.peer_id or rtts.get(r.peer_id) is not None]
 
 

@@ -25,6 +25,7 @@ from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import files_for
 from dsd.node.fetch.progress import fetch_progress
+from dsd.node.fetch.request import FetchRequest
 from dsd.node.fetch.shard_server import ShardServer, announce_manifest
 from dsd.node.server.block import BlockServer
 from dsd.node.server.limits import ServerLimits
@@ -50,6 +51,7 @@ class Prepared:
     placement: Placement
     want: int
     fetched: dict | None = None
+    fetch: FetchRequest | None = None  # how the store was fetched (`start --model`): a move fetches its new span so
 
 
 async def prepare(cfg: DaemonConfig) -> Prepared:
@@ -60,8 +62,10 @@ async def prepare(cfg: DaemonConfig) -> Prepared:
         raise ValueError(f"--weights {placement.weights} packs a block span's layers; a federated worker serves "
                          "the whole model in a float format (--weights fp32 | bf16 | fp16)")
     fetched: dict | None = None
-    if cfg.fetch is not None:
+    request = cfg.fetch
+    if request is not None:
         cfg, fetched = await fetch_store(cfg)
+        request = replace(request, out=cfg.store, manifest_sha256=fetched["manifest_sha256"])
     assert cfg.store is not None
     store = Store(cfg.store)
     if cfg.weights in (None, "auto") and store.manifest.weights and not cfg.federated:
@@ -69,7 +73,7 @@ async def prepare(cfg: DaemonConfig) -> Prepared:
     want = plan_layers(cfg, store, placement)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    return Prepared(cfg, store, placement, want, fetched)
+    return Prepared(cfg, store, placement, want, fetched, request)
 
 
 async def load(prepared: Prepared, peer: Peer, info: dict) -> tuple[BlockServer | None, Announcer]:

@@ -3,8 +3,9 @@ move. The decision is `dsd.discovery.rebalance` (pure); this module reads the re
 
 Every `--rebalance-s` (jittered between half and one and a half of it, so peers do not look at once) the peer reads
 the model's records and asks `move_target`. A move chosen at two looks in a row (one more per peer that would make
-the same move and comes first: `queue_position`) is made: the new span is loaded from the peer's store beside the
-old one, announcing the tokens/s per layer measured at start; if a last look still asks for it (another peer that
+the same move and comes first: `queue_position`) is made: the new span's files the store lacks are fetched from the
+peers (a peer started with `--model` holds only its span's; each file checked against the manifest), the span is
+loaded beside the old one, announcing the tokens/s per layer measured at start; if a last look still asks for it (another peer that
 saw the same hole may have moved meanwhile), it is served (new sessions go to it) and the records say so at once;
 the old span drains as a stopped peer does (its open sessions get `--drain-s` to finish, then end with "draining",
 which heads take as a reason to go elsewhere, not as blame).
@@ -22,6 +23,7 @@ import trio
 from dsd.discovery.announce import Announcer
 from dsd.discovery.rebalance import Confirm, Move, move_target, queue_position
 from dsd.discovery.survey import live_records
+from dsd.node.fetch.fetch import Fetcher
 from dsd.node.fetch.local import manifest_sha256
 from dsd.node.fetch.plan import span_files
 from dsd.node.fetch.shard_server import announce_manifest
@@ -88,13 +90,25 @@ class Rebalancer:
         move = move_target(records, me, (server.start, server.end), server.throughput, num_layers)
         if move is None:
             return None, 0
-        if not self.holds(move.to):
-            log.info("rebalance: %s would help, but this peer's store lacks those layers' files", move.describe())
+        if not self.holds(move.to) and self.prepared.fetch is None:
+            log.info("rebalance: %s would help, but this peer's store lacks those layers' files (a peer started "
+                     "with --model fetches them)", move.describe())
             return None, 0
         ahead = queue_position(records, me, move, num_layers)
         log.info("rebalance: %s (made once %d looks in a row agree: %d peers would make it first)", move.describe(),
                  2 + ahead, ahead)
         return move, ahead
+
+    async def fetch_span(self, span: tuple[int, int]) -> None:
+        """Fetch the files of `span` this peer's store lacks from the peers that serve the model, each checked
+        against the manifest's sha256 (the fetch that `start --model` ran, into the same store)."""
+        assert self.prepared.fetch is not None
+        store = self.prepared.store
+        missing = [name for name in span_files(store.manifest, *span) if not (store.path / name).exists()]
+        fetcher = Fetcher(self.peer.node, self.prepared.fetch)
+        report = await fetcher.fetch(missing)
+        log.info("fetched %d files of blocks %d:%d (%.1f MB) in %.1f s", len(report["fetched_files"]), *span,
+                 report["bytes_needed"] / 1e6, report["seconds"])
 
     async def move(self, move: Move, draining: trio.Nursery) -> None:
         """Load and serve `move.to`, announce it, and drain the old span in `draining`."""
@@ -103,6 +117,12 @@ class Rebalancer:
         log.warning("moving: %s", move.describe())
         t0 = time.perf_counter()
         start, end = move.to
+        if not self.holds(move.to):
+            try:
+                await self.fetch_span(move.to)
+            except Exception as exc:  # no peer served them, a lie, a timeout: stay where it is
+                log.warning("not moving: fetching blocks %d:%d failed: %s", start, end, exc)
+                return
         new = await trio.to_thread.run_sync(
             lambda: BlockServer(self.peer.node, store, start, end, limits=cfg.limits, wire=cfg.wire,
                                 device=placement.device, dtype=placement.dtype, fault=cfg.fault,

@@ -19,6 +19,7 @@ from support.heads import generate_on
 from support.models import hf_greedy
 from support.processes import DaemonSwarm, cli
 
+from dsd.node.fetch.local import manifest_sha256
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.setup import HeadSetup
@@ -87,3 +88,40 @@ def test_a_stable_swarm_stays_still_and_a_hole_is_filled_by_exactly_one_move(swa
             return report.tokens
 
     assert trio.run(main) == hf_greedy(tiny_qwen2_hf, PROMPT, 16)
+
+
+def test_a_peer_that_fetched_only_its_span_fetches_the_blocks_it_moves_to(tiny_qwen2_root: Path, tiny_qwen2_hf,
+                                                                          tmp_path: Path) -> None:
+    """A volunteer started with `--model` holds only its span's files: when the only peer of 3:5 dies it moves to 2:5
+    all the same, fetching layers 3 and 4 from the peer that holds them (each file checked against the manifest),
+    and a generation over the healed swarm equals HF's. The full-store peers here never move (`--rebalance-s 0`)."""
+    store_dir = tiny_qwen2_root / "store"
+    sha = manifest_sha256(store_dir)
+    with DaemonSwarm(tmp_path / "net") as net:
+        full = net.peer("full", store_dir, "0:3", "--rebalance-s", "0", "--record-ttl", "4")
+        last = net.peer("last", store_dir, "3:5", "--rebalance-s", "0", "--record-ttl", "4")
+        fetched = net.start("fetched", "--model", MODEL, "--manifest-sha256", sha, "--blocks", "0:3",
+                            "--fetch-dir", str(tmp_path / "fetched"), "--bootstrap", net.bootstrap, "--threads", "1",
+                            "--rebalance-s", "1", "--record-ttl", "4")
+        held = {p.name for p in (tmp_path / "fetched").rglob("*.safetensors")}
+        net.wait_route(MODEL, LAYERS)
+        os.kill(last["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not moves(fetched) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert moves(fetched) == [(2, 5)], Path(fetched["log"]).read_text()[-3000:]
+        log = Path(fetched["log"]).read_text()
+        assert re.search(r"fetched 2 files of blocks 2:5", log), log[-3000:]
+        now = {p.name for p in (tmp_path / "fetched").rglob("*.safetensors")}
+        assert len(now) == len(held) + 2  # layers 3 and 4, beside the span it fetched at start
+        net.wait_route(MODEL, LAYERS)
+        store = Store(store_dir)
+
+        async def main() -> list[int]:
+            async with head_node([net.bootstrap]) as (node, legs):
+                setup = HeadSetup(store.load_head(), MODEL, LAYERS, NgramDrafter())
+                report = await generate_on(node, legs, setup, PROMPT, GenerationConfig(mode="dsd", max_new_tokens=16))
+                assert [h.peer_id for h in report.transport.hops] == [full["peer_id"], fetched["peer_id"]]
+                return report.tokens
+
+        assert trio.run(main) == hf_greedy(tiny_qwen2_hf, PROMPT, 16)
