@@ -53,10 +53,19 @@ def test_raw_keeps_nan_bits_when_allowed() -> None:
     assert decode_tensor(t, allow_nonfinite=True).view(np.uint32).tolist() == x.view(np.uint32).tolist()
 
 
+FP16_OVERFLOW = 65520.0  # round to nearest: below it a value rounds to fp16's largest, 65504; from it, to inf
+
+
+def test_fp16_keeps_values_that_round_to_its_largest_and_refuses_those_that_overflow() -> None:
+    assert decode_tensor(encode_tensor(np.array([65519.0, -65510.0], np.float32), "fp16")).tolist() == [65504.0, -65504.0]
+    with pytest.raises(ProtocolError, match="fp16 range"):
+        encode_tensor(np.array([FP16_OVERFLOW], np.float32), "fp16")
+
+
 @SETTINGS
 @given(x=activations(), zstd=st.booleans())
 def test_fp16_within_half_ulp(x: np.ndarray, zstd: bool) -> None:
-    if np.abs(x).max() > 65504:
+    if np.abs(x).max() >= FP16_OVERFLOW:
         with pytest.raises(ProtocolError, match="fp16 range"):
             encode_tensor(x, "fp16", zstd)
         return
