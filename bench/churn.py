@@ -245,7 +245,8 @@ def holes(samples: list[dict[str, Any]], below: int = 1) -> list[dict[str, Any]]
     return out
 
 
-def summarize(args: argparse.Namespace, swarm: Swarm, out: dict[str, Any]) -> dict[str, Any]:
+def summarize(swarm: Swarm, out: dict[str, Any]) -> dict[str, Any]:
+    """The run in figures: generations by phase, holes and refills, moves."""
     gens, stable_end = out["gens"], out["stable_end"]
     done = [g for g in gens if "end" in g]
     by_phase: dict[str, Any] = {}
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         swarm.stop_all()
     result = {**meta, "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              **summarize(args, swarm, out), "events": out["events"], "samples": out["samples"],
+              **summarize(swarm, out), "events": out["events"], "samples": out["samples"],
               "stable_end": out["stable_end"], "generations": out["gens"]}
     write_json(out_path, result)
     plot(result, out_path.with_suffix(".png"))

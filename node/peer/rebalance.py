@@ -5,10 +5,10 @@ Every `--rebalance-s` (jittered between half and one and a half of it, so peers 
 the model's records and asks `move_target`. A move chosen at two looks in a row (one more per peer that would make
 the same move and comes first: `queue_position`) is made: the new span's files the store lacks are fetched from the
 peers (a peer started with `--model` holds only its span's; each file checked against the manifest), the span is
-loaded beside the old one, announcing the tokens/s per layer measured at start; if a last look still asks for it (another peer that
-saw the same hole may have moved meanwhile), it is served (new sessions go to it) and the records say so at once;
-the old span drains as a stopped peer does (its open sessions get `--drain-s` to finish, then end with "draining",
-which heads take as a reason to go elsewhere, not as blame).
+loaded beside the old one, announcing the tokens/s per layer measured at start; if a last look still asks for it
+(another peer that saw the same hole may have moved meanwhile), it is served (new sessions go to it) and the
+records say so at once; the old span drains as a stopped peer does (its open sessions get `--drain-s` to finish,
+then end with "draining", which heads take as a reason to go elsewhere, not as blame).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class Rebalancer:
         self.shutdown_s = shutdown_s
         self.info = info
         self.moves: list[dict[str, Any]] = []  # every move made: when, from, to, and the coverage before and after
-        self.checks = 0
         self._confirm = Confirm()
 
     @property
@@ -77,7 +76,6 @@ class Rebalancer:
     async def look(self) -> tuple[Move | None, int]:
         """One look at the swarm: the move it asks for (None: none, or a survey that failed) and how many peers that
         would make the same move come first (`queue_position`)."""
-        self.checks += 1
         server, store = self.server, self.prepared.store
         num_layers = int(store.manifest.num_layers)
         try:
