@@ -36,7 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS_DIR, build_tiny_store, percentile, run_metadata, today, write_json
+from harness import (
+    RESULTS_DIR,
+    build_tiny_store,
+    percentile,
+    run_metadata,
+    today,
+    whole_model_greedy,
+    write_json,
+)
 
 PROMPTS = [[1, 17, 42, 99, 5, 17, 42, 99], [1, 250, 3, 3, 3, 3, 8], [1, 8, 8, 3], [4, 200, 31, 7, 7, 2],
            [1, 9, 9, 40, 41, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301, 2, 300, 301], [1, 60, 61, 62, 63],
@@ -128,23 +136,6 @@ class Swarm:
         from dsd.node.testnet.processes import stop_processes
 
         stop_processes([p.proc for p in reversed(self.peers)] + ([self.boot_proc] if self.boot_proc else []))
-
-
-def greedy_reference(hf_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt's greedy continuation by the model whole (transformers, float32, no cache tricks)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(n):
-                logits = model(torch.tensor([ids])).logits[0, -1]
-                ids.append(int(torch.argmax(logits)))
-            out.append(ids[len(prompt):])
-    return out
 
 
 async def run(args: argparse.Namespace, swarm: Swarm, reference: list[list[int]]) -> dict[str, Any]:
@@ -364,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.state.mkdir(parents=True, exist_ok=True)
     store = build_tiny_store(args.state / f"tiny-{args.layers}", layers=args.layers)
-    reference = greedy_reference(store.parent / "hf", PROMPTS, args.max_tokens)
+    reference = [whole_model_greedy(store.parent / "hf", prompt, args.max_tokens) for prompt in PROMPTS]
     swarm = Swarm(args, store, args.state / f"run-{int(time.time())}", args.layers)
     swarm.state.mkdir(parents=True)
     meta = run_metadata("churn", args)

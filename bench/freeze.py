@@ -35,22 +35,12 @@ from harness import (
     run_metadata,
     testnet,
     today,
+    whole_model_greedy,
     write_json,
 )
 
 PROBLEMS = (0, 16, 32, 49, 65, 82, 98, 114, 131, 147)  # the soak's 10
 BAR_S = 10.0  # a frozen run must end within its unfrozen time plus this
-
-
-def whole_model_greedy(hf: Path, prompt: list[int], n: int) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def one_generation(bootstrap: str, store: Path, prompt: list[int], args: argparse.Namespace,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -144,6 +145,24 @@ def generate_cli(args: Sequence[str], prefix: Sequence[str] = (), timeout_s: flo
     except (IndexError, json.JSONDecodeError):
         return None, out
 
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, float]:
+    """Median, min and max of repeated measurements, and how many there were."""
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "n": len(values)}
+
+
+def whole_model_greedy(hf: Path, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` from the model whole (transformers, float32): what a route must give."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layers: int = 8, hidden: int = 64,
                      seed: int = 0) -> Path:

@@ -42,6 +42,7 @@ from harness import (
     model_kinds,
     percentile,
     run_metadata,
+    spread,
     testnet,
     today,
     write_json,
@@ -240,10 +241,6 @@ def summary(cells_: list[dict[str, Any]]) -> dict[str, Any]:
     by: dict[tuple[int, str], dict[int, float]] = {}
     for c in cells_:
         by.setdefault((c["clients"], arm_name(c["mode"], c["head_batching"])), {})[c.get("pass", 0)] = c["aggregate_tokens_per_s"]
-
-    def spread(values: list[float]) -> dict[str, float]:
-        return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
-                "max": round(max(values), 3), "n": len(values)}
 
     out: dict[str, Any] = {}
     for clients in sorted({k[0] for k in by}):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS_DIR, build_tiny_store, command_line, run_metadata, today, write_json
+from harness import (
+    RESULTS_DIR,
+    build_tiny_store,
+    command_line,
+    run_metadata,
+    spread,
+    today,
+    write_json,
+)
 
 
 def dsd_node(*args: str) -> tuple[float, subprocess.CompletedProcess]:
@@ -45,10 +52,6 @@ def one_testnet(store: Path, state: Path, spawn: str, peers: int) -> dict[str, f
     down_s, _ = dsd_node("testnet", "down", "--state", str(state))
     return {"up_s": up_s, "up_reported_s": json.loads(up.stdout)["up_seconds"], "status_s": status_s,
             "down_s": down_s}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

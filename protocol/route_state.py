@@ -148,10 +148,8 @@ class RouteState:
         probe_timeout_s: float = 3.0,
         ping_timeout_s: float = 1.0,
         ping_rtts: float = 5.0,
-        hole_wait_s: float | None = None,
     ) -> None:
         self.rule = rule or DeadlineRule()
-        self.hole_wait_s = self.rule.hole_wait_s if hole_wait_s is None else hole_wait_s
         self.max_failovers = max_failovers
         self.trial_after = trial_after
         self.probe_timeout_s = probe_timeout_s
@@ -278,10 +276,7 @@ class RouteState:
         assert fault.peer is not None
         self._verdict = _Verdict("left", fault, blamed=(fault.peer,), declared_at=declared_at, session_usable=False,
                                  verdict=f"{short(fault.peer)} is leaving the swarm")
-        if self.recoveries >= self.max_failovers:
-            return self._give_up(self._verdict)
-        self.phase = Phase.PLANNING
-        return Plan(frozenset(self._verdict.blamed), wait_s=self.hole_wait_s)
+        return self._replan(self._verdict, wait_s=self.rule.hole_wait_s)
 
     # --- probes ---------------------------------------------------------------------------------------
 
@@ -293,10 +288,10 @@ class RouteState:
             still = tuple(p for p in verdict.blamed if p in silent)
             if still:
                 verdict.why, verdict.blamed = "hole", still
-                if self.hole_wait_s <= 0:
+                if self.rule.hole_wait_s <= 0:
                     return self._fail(verdict.verdict + "; no route avoids them", "no_route", list(still), self._missing)
                 self.phase = Phase.PLANNING
-                return Plan(frozenset(still), wait_s=self.hole_wait_s)
+                return Plan(frozenset(still), wait_s=self.rule.hole_wait_s)
             verdict.unreachable = False  # they answer now: alive after all
             return self._alive_without_replacement(verdict, event.now)
         if silent:
@@ -348,11 +343,11 @@ class RouteState:
 
     # --- replanning -----------------------------------------------------------------------------------
 
-    def _replan(self, verdict: _Verdict) -> Decision:
+    def _replan(self, verdict: _Verdict, wait_s: float = 0.0) -> Decision:
         if self.recoveries >= self.max_failovers:
             return self._give_up(verdict)
         self.phase = Phase.PLANNING
-        return Plan(frozenset(verdict.blamed))
+        return Plan(frozenset(verdict.blamed), wait_s=wait_s)
 
     def _give_up(self, verdict: _Verdict) -> Fail:
         return self._fail(f"giving up after {self.recoveries} attempts to recover; last: {verdict.verdict}", "gave_up",
@@ -387,7 +382,7 @@ class RouteState:
         verdict.verdict += f" ({event.message})"
         self._missing = tuple(event.missing)
         if verdict.why in ("left", "hole"):  # the swarm did not heal within the wait
-            waited = f" within {self.hole_wait_s:.0f} s" if self.hole_wait_s > 0 else ""
+            waited = f" within {self.rule.hole_wait_s:.0f} s" if self.rule.hole_wait_s > 0 else ""
             return self._fail(f"{verdict.verdict}; no peer took over their blocks{waited}", "no_route",
                               [] if verdict.why == "left" else list(verdict.blamed), self._missing)
         if verdict.unreachable:  # before a missing replacement ends it all: are they really gone?

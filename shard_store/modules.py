@@ -87,7 +87,7 @@ class HeadModule(nn.Module):
 
 @dataclass(frozen=True)
 class SpanWindow:
-    """One session's window for a step shared with other sessions (`SpanModule.step_many`): its hidden states
+    """One session's window for a step shared with other sessions (`SpanModule.step_each`): its hidden states
     [1, t, hidden] at positions start_pos.., its cache, and `commit`/`parents`/`keep` as `SpanModule.step` takes them."""
 
     hidden: torch.Tensor
@@ -215,15 +215,6 @@ class SpanModule(nn.Module):
         with torch.inference_mode():
             SpanWindow(hidden, start_pos, cache, commit, parents, keep).commit_cache()
             return self(hidden, start_pos, cache, parents)
-
-    def step_many(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor]:
-        """Several sessions' windows as one step (`forward_many`), each first committing its cache's last window as
-        `step` does; the outputs in the windows' order. A window that does not fit its cache is refused (StoreError)
-        before any layer runs."""
-        with torch.inference_mode():
-            for w in windows:
-                w.commit_cache()
-            return self.forward_many(windows)
 
     def step_each(self, windows: Sequence[SpanWindow]) -> list[torch.Tensor | Exception]:
         """Several sessions' windows as one step where they can be, each its own output or error: every window's

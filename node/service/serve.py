@@ -95,9 +95,10 @@ async def run_service(
     carries the real port when `port` is 0); `extra_routes(state)` adds routes to the app.
     """
     head = await trio.to_thread.run_sync(ServedModel.load, cfg.head)
+    joined = ", ".join(head.batching_stats())
     log.info("loaded the head of %s (%d layers, context %d, draft %s%s, mode %s) on %s %s%s", head.model_id,
              head.num_layers, head.context_limit, cfg.head.draft,
-             ", work joined across requests: " + ", ".join(head.batching_stats()) if head.batching_stats() else "", cfg.head.mode, head.device,
+             f", work joined across requests: {joined}" if joined else "", cfg.head.mode, head.device,
              head.dtype, "" if head.local_blocks is None else ", serving blocks {}:{} itself".format(*head.local_blocks))
     shutdown = trio.Event() if shutdown is None else shutdown
     # owned nurseries: a failure to start (the port in use, say) comes out as itself, not in an exception group

@@ -125,7 +125,7 @@ def test_a_broken_session_with_a_live_culprit_and_no_replacement_reopens_on_the_
 
 
 def test_a_dead_hop_with_no_replacement_is_pinged_once_more_then_its_hole_is_waited_for() -> None:
-    state = RouteState(ROUTE, prior=PRIOR, rtts={"peer-c": 0.05}, hole_wait_s=45.0)
+    state = RouteState(ROUTE, prior=PRIOR, rtts={"peer-c": 0.05}, rule=DeadlineRule(hole_wait_s=45.0))
     opened(state)
     due = late_window(state)
     first = state.handle(DeadlinePassed(due))
@@ -160,7 +160,7 @@ def test_a_hole_that_heals_within_the_wait_resumes_the_generation() -> None:
 
 
 def test_without_a_hole_wait_a_dead_hop_with_no_replacement_ends_the_generation_at_once() -> None:
-    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=0.0)
+    state = RouteState(ROUTE, prior=PRIOR, rule=DeadlineRule(hole_wait_s=0.0))
     opened(state)
     due = late_window(state)
     state.handle(DeadlinePassed(due))
@@ -172,7 +172,7 @@ def test_without_a_hole_wait_a_dead_hop_with_no_replacement_ends_the_generation_
 
 @pytest.mark.parametrize("code", ["draining", "shutting_down"])
 def test_a_peer_that_leaves_is_planned_around_at_once_without_pings_or_blame(code: str) -> None:
-    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=30.0)
+    state = RouteState(ROUTE, prior=PRIOR, rule=DeadlineRule(hole_wait_s=30.0))
     opened(state)
     plan = state.handle(Broke(Fault(code, "peer-b: this peer is leaving the swarm", "peer-b"), 2.0))
     assert plan == Plan(frozenset({"peer-b"}), wait_s=30.0)  # no Ping first: it told us it is going
@@ -184,7 +184,7 @@ def test_a_peer_that_leaves_is_planned_around_at_once_without_pings_or_blame(cod
 
 
 def test_a_leaving_peer_refusing_the_first_session_is_not_retried_and_its_hole_can_end_the_generation() -> None:
-    state = RouteState(ROUTE, prior=PRIOR, hole_wait_s=30.0)
+    state = RouteState(ROUTE, prior=PRIOR, rule=DeadlineRule(hole_wait_s=30.0))
     plan = state.handle(OpenFailed(Fault("draining", "peer-c: this peer is leaving the swarm", "peer-c"), 0.5))
     assert plan == Plan(frozenset({"peer-c"}), wait_s=30.0)  # not the one retry on the same peers
     failed = state.handle(NoRoute("no live peer serves blocks 4-5 (of 6)", {}, 31.0, (4, 5)))

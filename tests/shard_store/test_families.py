@@ -130,10 +130,19 @@ def test_split_windows_and_truncation_equal_the_whole_model(family: Family) -> N
 
 
 
+def step_together(span, windows: list[SpanWindow]) -> list[torch.Tensor]:
+    """Commit every window's cache, then one joint step (`forward_many`, without `step_each`'s one-by-one fallback,
+    which would hide a joint step that went wrong)."""
+    with torch.inference_mode():
+        for w in windows:
+            w.commit_cache()
+        return span.forward_many(windows)
+
+
 def test_sessions_stepped_together_equal_each_stepped_alone(family: Family) -> None:
     """In float64: three sessions at different lengths (past the sliding window of 6, and not) step together —
     a 1-token chain, a 4-token chain and a tree, then a kept path, a truncation and fresh windows — and every
-    output row and the caches after equal each session stepped alone (`SpanModule.step_many`, issue 54)."""
+    output row and the caches after equal each session stepped alone (`SpanModule.forward_many`, issue 54)."""
     store = Store(family.store)
     span = store.load_span(0, 5, dtype=torch.float64)
     head = store.load_head(dtype=torch.float64)
@@ -159,8 +168,8 @@ def test_sessions_stepped_together_equal_each_stepped_alone(family: Family) -> N
                   in zip(windows, alone, strict=True)]
         want = [span.step(rows, at, c, commit=commit, parents=parents, keep=keep) for (rows, commit, parents, keep),
                 at, c in zip(windows, starts, alone, strict=True)]
-        got = span.step_many([SpanWindow(rows, at, c, commit, parents, keep) for (rows, commit, parents, keep), at, c
-                              in zip(windows, starts, joint, strict=True)])
+        got = step_together(span, [SpanWindow(rows, at, c, commit, parents, keep) for (rows, commit, parents, keep),
+                                   at, c in zip(windows, starts, joint, strict=True)])
         assert [g.shape for g in got] == [w.shape for w in want]
         worst = max([worst] + [(g - w).abs().max().item() for g, w in zip(got, want, strict=True)])
         assert [c.length for c in joint] == [c.length for c in alone]
@@ -178,9 +187,9 @@ def test_stepping_sessions_together_refuses_bad_windows_before_touching_a_cache(
     a, b = span.new_cache(), span.new_cache()
     span.step(x, 0, a)
     with pytest.raises(StoreError, match="start_pos 2 != cache length 0"):
-        span.step_many([SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 2, b)])
+        step_together(span, [SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 2, b)])
     with pytest.raises(StoreError, match="two windows of one cache"):
-        span.step_many([SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 3, a)])
+        step_together(span, [SpanWindow(x[:, :1], 3, a), SpanWindow(x[:, :1], 3, a)])
     assert (a.length, b.length) == (3, 0)
 
 
