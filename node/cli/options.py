@@ -117,11 +117,8 @@ def add_deadline_options(p: argparse.ArgumentParser) -> None:
 
 def deadline_rule(args: argparse.Namespace) -> DeadlineRule:
     """The deadline rule the options ask for."""
-    try:
-        return DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap,
-                            hole_wait_s=args.hole_wait_s)
-    except ValueError as exc:  # a bad --deadline-* or --hole-wait-s: one line, no traceback
-        raise SystemExit(f"dsd-node: bad failure-detection option: {exc}") from None
+    return DeadlineRule(k=args.deadline_k, floor_s=args.deadline_floor, cap_s=args.deadline_cap,
+                        hole_wait_s=args.hole_wait_s)  # a bad value: the rule's ValueError, one line from the caller
 
 
 def link_profile(args: argparse.Namespace) -> LinkProfile:
