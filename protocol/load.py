@@ -6,13 +6,14 @@ how long it computed, and how many rows each session had in it. From them:
     busy       share of the window's wall time the span was computing             (0..1)
     b          seconds one more row adds to a step: the least-squares slope of step seconds over step rows
                (clamped to [0, mean seconds / mean rows]); that upper bound while the rows have not varied
-    others(s)  rows per second of every other session still open (one that ended competes no more)
+    others(s)  rows per second of every other session still open (one that ended competes no more); on a meter
+               told the tokens its sessions emit (`count="tokens"`, a serving head's), their tokens per second
     load(s)    = min(1, busy · b · others(s))
 
 `load(s)` is what one more row of session s costs the other sessions here, in their tokens: a step one row longer
 delays every window in it by b, and a window delayed by b loses b × its session's rate of tokens; the others'
 rows stand for their tokens (exact for `ar`, an over-count for speculating heads, so the estimate errs towards
-caution), and `busy` is the chance that another session's window is waiting or computing when ours arrives. Each
+caution; a serving head knows its generations' tokens and counts those), and `busy` is the chance that another session's window is waiting or computing when ours arrives. Each
 hop adds its own to the window it passes on (`Forward.load`); the head reads the route's sum in the `Result`.
 The record carries the same window's `busy`, mean rows per step, rows per second and the rows queued now.
 """
@@ -56,18 +57,31 @@ class LoadReport:
 class LoadMeter:
     """The span's recent steps and the loads read from them (see the module doc)."""
 
-    def __init__(self, window_s: float = LOAD_WINDOW_S, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, window_s: float = LOAD_WINDOW_S, clock: Callable[[], float] | None = None,
+                 count: str = "rows") -> None:
+        if count not in ("rows", "tokens"):
+            raise ValueError(f"a load meter counts the others' rows or tokens, not {count!r}")
         self.window_s = window_s
+        self.count = count
         self._clock = clock or time.perf_counter
         self._steps: deque[Step] = deque(maxlen=MAX_STEPS)
+        self._emitted: deque[tuple[float, str, int]] = deque(maxlen=4 * MAX_STEPS)  # (when, session, tokens)
 
     def observe(self, seconds: float, rows: Mapping[str, int], ended: float | None = None) -> None:
         """Record one step: its compute seconds and each session's rows in it."""
         self._steps.append(Step(self._clock() if ended is None else ended, seconds, dict(rows)))
 
+    def emitted(self, session: str, tokens: int, when: float | None = None) -> None:
+        """Record that `session` emitted `tokens` tokens (what a `count="tokens"` meter counts as its rate)."""
+        if tokens < 0:
+            raise ValueError(f"tokens emitted must be >= 0, got {tokens!r}")
+        self._emitted.append((self._clock() if when is None else when, session, tokens))
+
     def _recent(self, now: float) -> list[Step]:
         while self._steps and self._steps[0].ended < now - self.window_s:
             self._steps.popleft()
+        while self._emitted and self._emitted[0][0] < now - self.window_s:
+            self._emitted.popleft()
         return list(self._steps)
 
     def _span(self, steps: list[Step], now: float) -> float:
@@ -92,8 +106,14 @@ class LoadMeter:
         if not steps:
             return 0.0
         span = self._span(steps, now)
-        others = sum(rows for s in steps for owner, rows in s.rows.items()
-                     if owner != session and (open_sessions is None or owner in open_sessions)) / span
+
+        def other(owner: str) -> bool:
+            return owner != session and (open_sessions is None or owner in open_sessions)
+
+        if self.count == "tokens":
+            others = sum(n for _, owner, n in self._emitted if other(owner)) / span
+        else:
+            others = sum(rows for s in steps for owner, rows in s.rows.items() if other(owner)) / span
         if others <= 0:
             return 0.0
         busy = min(1.0, sum(s.seconds for s in steps) / span)

@@ -42,7 +42,8 @@ class JointDrafts:
     def __init__(self, model: torch.nn.Module, max_contexts: int = MAX_CONTEXTS) -> None:
         self.tree = DraftCache(model)
         self.prunes = 0
-        self.meter = LoadMeter()  # the joint forwards as steps of the head's CPU (the head's own load)
+        # the joint forwards as steps of the head's CPU (the head's own load), the others' emitted tokens as their rate
+        self.meter = LoadMeter(count="tokens")
         self.joiner: Joiner[_Request, torch.Tensor] = Joiner(self._forward, budget=max_contexts,
                                                               size=lambda r: len(r[1]))
         self._lock = threading.Lock()  # guards `_keep` (settles come from any generation's thread)
@@ -72,6 +73,10 @@ class JointDrafts:
         with self._lock:
             live = [str(k) for k in self._keep]
         return self.meter.load(str(session), live)
+
+    def emitted(self, session: int, tokens: int) -> None:
+        """`session` emitted `tokens` tokens (the rate `load` weighs a drafted row against)."""
+        self.meter.emitted(str(session), tokens)
 
     def settle(self, session: int, context: Sequence[int]) -> None:
         """`session` continues from `context` only: the tree may drop its other branches."""
@@ -122,6 +127,10 @@ class SessionTree:
     def load(self) -> float:
         """This generation's share of the head's load (`JointDrafts.load`)."""
         return self.joint.load(self.key)
+
+    def emitted(self, tokens: int) -> None:
+        """This generation emitted `tokens` tokens (`JointDrafts.emitted`)."""
+        self.joint.emitted(self.key, tokens)
 
     def reset(self) -> None:
         """Forget what this generation settled on (the shared tree keeps other generations' columns)."""

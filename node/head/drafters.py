@@ -235,6 +235,12 @@ class ModelDrafter:
         """What one more drafted row costs the head's other generations, in their tokens (0 drafting alone)."""
         return float(getattr(self._tree, "load", 0.0))
 
+    def emitted(self, tokens: int) -> None:
+        """Tell a shared draft tree this generation emitted `tokens` tokens (its rate weighs the others' rows)."""
+        told = getattr(self._tree, "emitted", None)
+        if told is not None:
+            told(tokens)
+
     def check_compatible(
         self, target_vocab_size: int, target_tokenizer: Any = None, draft_tokenizer: Any = None
     ) -> None:
@@ -381,6 +387,9 @@ class HybridDrafter:
     @property
     def load(self) -> float:
         return self.model.load
+
+    def emitted(self, tokens: int) -> None:
+        self.model.emitted(tokens)
 
     def source_counts(self) -> dict[str, int]:
         """How many proposals (calls) and tokens each source supplied, for reports."""

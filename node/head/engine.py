@@ -197,6 +197,7 @@ class HeadEngine:
                 tally.logprobs += token_logprobs(logits, rows, emitted, self.cfg.logprobs, probs=self.returns_probs)
             new.extend(emitted)
             committed.extend(emitted)
+            self._told_emitted(len(emitted))
             if on_tokens and emitted:
                 on_tokens(emitted)
             if finished:
@@ -343,11 +344,10 @@ class HeadEngine:
 
     def _count(self, tally: GenerationResult, drafts: Draft, outcome: _Outcome, round_s: float) -> None:
         tally.rounds += 1
-        self.window.observe_load(self.backend.load)
+        head = float(getattr(self.drafter, "load", 0.0) or 0.0)  # a serving head's own load (head batching)
+        self.window.observe_load(self.backend.load + head)  # a drafted row costs the route's peers and the head
         tally.route_loads.append(self.backend.load)
-        # a serving head's own load (head batching): measured and reported, not fed to the controller (counting
-        # drafted rows as the others' tokens narrowed windows that cost the head little: docs/batching.md)
-        tally.head_loads.append(float(getattr(self.drafter, "load", 0.0) or 0.0))
+        tally.head_loads.append(head)
         n, k = len(drafts.tokens), outcome.accepted
         if not n:
             return
@@ -362,6 +362,12 @@ class HeadEngine:
         else:
             tally.tree_windows += int(drafts.wire_parents is not None)
             self.window.observe_tree(nodes=n, ranks=ranks, layer_s=self.drafting.tree_layer_s, round_s=round_s)
+
+    def _told_emitted(self, tokens: int) -> None:
+        """Tell a shared draft tree this generation's emitted tokens (the rate its head load weighs rows against)."""
+        told = getattr(self.drafter, "emitted", None)
+        if told is not None and tokens:
+            told(tokens)
 
     async def _next_window(self, committed: list[int], sent: Draft, outcome: _Outcome, bets: Bets | None,
                            tally: GenerationResult, produced: int) -> Draft:

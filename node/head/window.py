@@ -16,8 +16,9 @@ Model (per round, i.i.d. acceptance α per draft token, estimated online):
 
 Load (a route of block peers shared with other heads). Every result carries the route's load L: what one more
 row of this generation costs the other sessions on its peers, in their tokens (each peer's share measured from its
-own steps, `dsd.protocol.load`, summed over the hops). A drafted row is worth its chance of acceptance minus
-that cost, so under load the controller maximizes
+own steps, `dsd.protocol.load`, summed over the hops), plus, on a serving head whose requests draft in joint
+forwards, the head's own load (what one more drafted row costs its other requests, same rule). A drafted row is
+worth its chance of acceptance minus that cost, so under load the controller maximizes
 
     net(γ) = (E(γ) − L·γ) / T(γ)          over γ_min ≤ γ, and over 0 ≤ γ once L ≥ α (then no drafted
                                            row is worth its cost: a window of no drafts is an `ar` step)

@@ -181,7 +181,8 @@ def test_the_lm_head_runs_over_every_waiting_generations_rows_at_once(tiny_qwen2
         joint.logits(torch.zeros(2, 3))  # its own error, not a joint call's
 
 
-def test_the_heads_own_load_counts_the_other_live_generations_rows(model: torch.nn.Module) -> None:
+def test_the_heads_own_load_weighs_a_drafted_row_against_the_other_live_generations_tokens(
+        model: torch.nn.Module) -> None:
     joint = JointDrafts(model)
     mine, other = joint.session(), joint.session()
     drafter = ModelDrafter(model, SamplingParams(), GumbelNoise(0), mine)
@@ -189,8 +190,11 @@ def test_the_heads_own_load_counts_the_other_live_generations_rows(model: torch.
     assert drafter.load == 0.0  # alone on the head: drafting costs no one anything
     for i in range(4):
         other.extend([PROMPTS[1] + [i]])
-    assert 0.0 < drafter.load <= 1.0 and 0.0 <= other.load < drafter.load  # the other drafted more rows
-    del other  # its generation ended: its rows compete no more
+    assert drafter.load == 0.0  # the other only drafted: a slower draft forward took no token from it yet
+    other.emitted(6)
+    drafter.emitted(1)
+    assert 0.0 < drafter.load <= 1.0 and 0.0 < other.load < drafter.load  # the other emitted more tokens
+    del other  # its generation ended: its tokens compete no more
     assert drafter.load == 0.0
 
 

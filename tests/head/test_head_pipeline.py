@@ -251,3 +251,50 @@ def test_a_loaded_route_gets_windows_without_drafts_and_no_bets_and_the_output_s
     loaded = backend.sent_while_loaded
     assert len(loaded) >= 10 and set(loaded[2:]) == {1}, loaded  # a window or two already drafted may still go
     assert result.as_dict()["route_load"] > 0.5
+
+
+class SizesSent(SlowLocal):
+    """SlowLocal keeping the size of every window sent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sizes: list[int] = []
+
+    async def submit(self, tokens, *, start, commit, epoch, parents=None, keep=None) -> None:
+        self.sizes.append(len(tokens))
+        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
+
+
+class LoadedHead(ModelDrafter):
+    """A drafter on a serving head whose own load is `load` (the head's CPU busy with others' tokens); keeps the
+    tokens the engine tells it were emitted."""
+
+    def __init__(self, *args, load: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_load = load
+        self.told: list[int] = []
+
+    @property
+    def load(self) -> float:
+        return self.head_load
+
+    def emitted(self, tokens: int) -> None:
+        self.told.append(tokens)
+
+
+def test_the_heads_own_load_narrows_the_windows_as_a_routes_does_and_the_output_stays_exact(tiny_qwen2_root) -> None:
+    """dsd on a head whose own draft forwards cost the others more than a drafted row is worth (head load 1): the
+    windows carry no drafts once it is seen, on a route without load; every emitted token is told to the drafter
+    (the rate the others' load is weighed by); greedy output equals the target's alone."""
+    store = Store(tiny_qwen2_root / "store")
+    n = 24
+    drafter = LoadedHead(noisy_copy(store.load_full(), 0.05), SamplingParams(), load=1.0)
+    backend = SizesSent(store.load_head(), [store.load_span(0, 2), store.load_span(2, 5)], trip_s=0.05)
+    result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=n, tree_nodes=0)).run,
+                      PROMPTS[0])
+    assert result.tokens == _reference(tiny_qwen2_root / "hf", PROMPTS[0], n)
+    assert sum(drafter.told) == n and all(t > 0 for t in drafter.told)
+    report = result.as_dict()
+    assert report["head_load"] == 1.0 and report["route_load"] == 0.0
+    sizes = backend.sizes
+    assert sizes[0] > 1 and len(sizes) >= n - 2 and set(sizes[2:]) == {1}, sizes  # then `ar`'s windows

@@ -71,3 +71,30 @@ def test_a_session_that_ended_weighs_on_no_one() -> None:
     assert meter.load("a") > 0
     assert meter.load("a", open_sessions={"a"}) == 0.0  # the other one closed: its rows were its own business
     assert meter.load("a", open_sessions={"a", "gone"}) == meter.load("a")
+
+
+def test_a_meter_counting_tokens_weighs_the_others_tokens_not_their_drafted_rows() -> None:
+    clock = Clock()
+    rows = LoadMeter(clock=clock)
+    tokens = LoadMeter(clock=clock, count="tokens")
+    # a serving head's joint draft forwards: 10 ms + 1 ms a row, b drafts 8 rows a step but emits 1 token in 4 steps
+    plan = [(0.01 + 0.001 * (ra + 8), {"a": ra, "b": 8}) for ra in (1, 3, 2, 6)] * 5
+    for seconds, step_rows in plan:
+        clock.t += seconds
+        rows.observe(seconds, step_rows)
+        tokens.observe(seconds, step_rows)
+    span = sum(s for s, _ in plan)
+    assert tokens.load("a") == 0.0  # told of no token: nothing of the others' is lost
+    for i in range(5):
+        tokens.emitted("b", 1, when=clock.t - i * 0.01)
+        tokens.emitted("a", 3, when=clock.t - i * 0.01)
+    assert rows.load("a") == pytest.approx(0.001 * 8 * len(plan) / span)
+    assert tokens.load("a") == pytest.approx(0.001 * 5 / span)  # b's 5 tokens, not its 160 rows
+    assert tokens.load("a", open_sessions={"a"}) == 0.0
+    clock.t += 6.0
+    tokens.observe(0.01, {"a": 1, "b": 1})
+    assert tokens.load("a") == 0.0  # tokens older than the window are forgotten
+    with pytest.raises(ValueError, match="rows or tokens"):
+        LoadMeter(count="steps")
+    with pytest.raises(ValueError, match=">= 0"):
+        tokens.emitted("a", -1)
