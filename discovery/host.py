@@ -204,11 +204,13 @@ class P2PNode:
     def addrs(self) -> list[str]:
         """The addresses others can reach this node at, each ending in /p2p/<peer id>: its listen addresses
         (0.0.0.0 replaced by the interface toward the swarm), or when it is private (behind a NAT) its
-        addresses through the relays it holds slots on."""
+        addresses through the relays it holds slots on, or behind a NAT whose gateway maps it a port, that one."""
         if self.host is None:
             return []
         if self.nat is not None and self.nat.reachability == "private":
             return self.nat.circuit_addrs(self.peer_id)
+        if self.nat is not None and self.nat.mapped:  # dialled back through the gateway's mapping: that one only
+            return [f"{self.nat.mapped}/p2p/{self.peer_id}"]
         return announceable(self.host.get_addrs(), self.peer_id, self.bootstrap)
 
     @property

@@ -1,8 +1,9 @@
 """NAT traversal for one libp2p host: reachability (AutoNAT v1), circuit relay v2 (serving it, reserving slots on
 relays, dialling through them) and hole punching (DCUtR), all from py-libp2p, sized and wired for dsd.
 
-A peer behind a home NAT cannot be dialled at the address it listens on. It learns so from AutoNAT dial-backs,
-reserves a slot on relays, and announces `<relay>/p2p-circuit/p2p/<itself>`; whoever dials it goes through a
+A peer behind a home NAT cannot be dialled at the address it listens on. It learns so from AutoNAT dial-backs and
+asks its gateway to map a port (UPnP IGD, `portmap.py`): when a second round of dial-backs reaches it at the mapped
+address, it announces that address and is public. Otherwise it reserves a slot on relays, and announces `<relay>/p2p-circuit/p2p/<itself>`; whoever dials it goes through a
 relay first and then, in the background, tries DCUtR to punch a direct connection. New streams take the direct
 connection once it exists (the swarm prefers direct ones); a relayed connection is closed only once no stream
 uses it, so a session that opened over the relay is never cut by the upgrade.
@@ -32,6 +33,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
 from .addrs import circuit_addr, is_circuit, split_addr, tcp_endpoint
+from .portmap import PortMapper
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +135,13 @@ def _kind(conn: Any) -> str:
 @dataclass
 class NatOptions:
     """How a node deals with NATs: `reachability` auto (ask AutoNAT) | public | private; `relay`: serve circuit relay
-    v2; `punch`: upgrade relayed connections by hole punching (off: they stay relayed, a baseline to measure)."""
+    v2; `punch`: upgrade relayed connections by hole punching (off: they stay relayed, a baseline to measure);
+    `port_mapping`: when AutoNAT finds it private, ask the gateway for a port (UPnP) and announce it if confirmed."""
 
     reachability: str = "auto"
     relay: bool = False
     punch: bool = True
+    port_mapping: bool = True
 
     def __post_init__(self) -> None:
         if self.reachability not in REACHABILITY_MODES:
@@ -172,6 +176,8 @@ class NatTraversal:
         self.options = options
         self.reachability = options.reachability if options.reachability != "auto" else "unknown"
         self.reservations: dict[str, str] = {}  # relay peer id -> the relay's address we reserved through
+        self.portmap = PortMapper() if options.port_mapping and options.reachability == "auto" else None
+        self.mapped: str | None = None  # the gateway's mapped address, once a dial-back reached us there
         self.punches: list[dict[str, Any]] = []  # each punch we initiated: peer, ok, seconds
         self._seen_relayed: set[str] = set()
         self._punching: set[str] = set()
@@ -195,17 +201,32 @@ class NatTraversal:
                 finally:
                     self._nursery = None
                     nursery.cancel_scope.cancel()
+                    if self.portmap is not None:
+                        await self.portmap.close()
 
     # --- reachability -----------------------------------------------------------
 
     async def learn_reachability(self, servers: Sequence[ID], addrs: Sequence[str]) -> str:
         """Ask up to AUTONAT_SERVERS connected peers to dial `addrs` back; the majority of the answers decides.
+        Private, with port mapping on: ask the gateway for the listen port and have the mapped address dialled
+        back too; public at it if the majority reached us there (`mapped`), else the mapping is removed.
 
         A small swarm has one or two servers, not the spec's four: one answer is enough, ties stay unknown.
         With --reachability public|private set, nothing is asked."""
         if self.options.reachability != "auto":
             return self.reachability
-        raw = [split_addr(a)[0].to_bytes() for a in addrs if not is_circuit(a)]
+        direct = [a for a in addrs if not is_circuit(a)]
+        reach = await self._dial_backs(servers, direct)
+        if reach == "private" and self.portmap is not None:
+            reach = await self._try_mapping(servers, direct)
+        if reach != self.reachability:
+            log.info("reachability: %s%s", reach, f" (at {self.mapped}, a port the gateway maps)" if self.mapped else "")
+        self.reachability = reach
+        return reach
+
+    async def _dial_backs(self, servers: Sequence[ID], addrs: Sequence[str]) -> str:
+        """public | private | unknown: what the majority of the AutoNAT servers that answered found at `addrs`."""
+        raw = [split_addr(a)[0].to_bytes() for a in addrs]
         verdicts: list[bool] = []
         for server in list(servers)[:AUTONAT_SERVERS]:
             try:
@@ -216,11 +237,29 @@ class NatTraversal:
             if status in (int(AutoNATMessage.OK), int(AutoNATMessage.E_DIAL_ERROR), int(AutoNATMessage.E_DIAL_REFUSED)):
                 verdicts.append(status == int(AutoNATMessage.OK))
         yes, no = verdicts.count(True), verdicts.count(False)
-        before = self.reachability
-        self.reachability = "public" if yes > no else "private" if no > yes else "unknown"
-        if self.reachability != before:
-            log.info("reachability: %s (%d of %d AutoNAT dial-backs reached us)", self.reachability, yes, len(verdicts))
-        return self.reachability
+        log.debug("AutoNAT: %d of %d dial-backs to %s reached us", yes, len(verdicts), ", ".join(addrs))
+        return "public" if yes > no else "private" if no > yes else "unknown"
+
+    async def _try_mapping(self, servers: Sequence[ID], addrs: Sequence[str]) -> str:
+        """Private at `addrs`: map the listen port on the gateway, keep it if a dial-back gets through it."""
+        assert self.portmap is not None and self._nursery is not None
+        ends = [e for e in (tcp_endpoint(split_addr(a)[0]) for a in addrs) if e]
+        if not ends:
+            return "private"
+        if self.portmap.mapping is None and await self.portmap.open(ends[0][1]) is None:
+            return "private"
+        mapping = self.portmap.mapping
+        assert mapping is not None
+        if await self._dial_backs(servers, [mapping.multiaddr]) != "public":
+            log.warning("the gateway maps %s to us but no AutoNAT dial-back got through it: not announcing it, "
+                        "reached through relays", mapping.multiaddr)
+            self.portmap.failure = f"the gateway maps {mapping.multiaddr} but nothing it forwards reaches us"
+            await self.portmap.close()
+            return "private"
+        if self.mapped is None:
+            self._nursery.start_soon(self.portmap.keep)
+        self.mapped = mapping.multiaddr
+        return "public"
 
     # --- relays -------------------------------------------------------------------
 

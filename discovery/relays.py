@@ -1,10 +1,13 @@
 """Relays in the swarm: relays announce themselves under one DHT key; a private peer (behind a NAT) keeps slots on
-at least `MIN_RELAYS` of them, found among its bootstrap peers and in the DHT, and takes new ones when one goes."""
+at least `MIN_RELAYS` of them, found among its bootstrap peers and in the DHT, and takes new ones when one goes.
+A peer asks again now and then whether it can be dialled (`watch_reachability`): a network that changed (a gateway
+that now maps a port, a mapping a router forgot) changes what it announces, at once."""
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -59,17 +62,44 @@ async def top_up(node: P2PNode) -> int:
 
 
 async def keep_relays(node: P2PNode, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    """For a private node: hold slots on MIN_RELAYS relays, checked every CHECK_INTERVAL_S; started once the
-    first round has reserved what it could (so the first record carries relayed addresses)."""
-    held = await top_up(node)
-    if held < MIN_RELAYS:
-        log.warning("behind a NAT and only %d relay slot(s) held (want %d): start relays (`dsd-node start "
-                    "--bootstrap-only` relays by default) or open a port and pass --reachability public",
-                    held, MIN_RELAYS)
+    """While the node is private: hold slots on MIN_RELAYS relays, checked every CHECK_INTERVAL_S; started once
+    the first round has reserved what it could (so the first record carries relayed addresses)."""
+    held = 0
+    if node.reachability == "private":
+        held = await top_up(node)
+        if held < MIN_RELAYS:
+            log.warning("behind a NAT and only %d relay slot(s) held (want %d): start relays (`dsd-node start "
+                        "--bootstrap-only` relays by default) or open a port and pass --reachability public",
+                        held, MIN_RELAYS)
     task_status.started(held)
     while True:
         await trio.sleep(CHECK_INTERVAL_S)
+        if node.reachability != "private":
+            continue
         before = set(node.nat.reservations) if node.nat else set()
         await top_up(node)
         if node.nat and set(node.nat.reservations) != before:
             log.info("relay slots now on %s", ", ".join(sorted(node.nat.reservations)) or "no relay")
+
+
+async def watch_reachability(node: P2PNode, every_s: float, changed: Callable[[], Awaitable[object]] | None = None,
+                             ) -> None:
+    """Ask the AutoNAT servers again about every `every_s` seconds (jittered ×0.8–1.2), the gateway's mapping
+    included; when the verdict or the announced addresses change, hold relay slots at once if private now, log
+    it and call `changed` (republish the records)."""
+    while True:
+        await trio.sleep(every_s * random.uniform(0.8, 1.2))
+        before = (node.reachability, list(node.addrs))
+        try:
+            await node.learn_reachability()
+        except Exception as exc:
+            log.warning("reachability check failed: %r; keeping %s", exc, before[0])
+            continue
+        if node.reachability == "private":
+            await top_up(node)
+        after = (node.reachability, list(node.addrs))
+        if after == before:
+            continue
+        log.warning("the network changed: %s, was %s; announcing %s", after[0], before[0], " ".join(after[1]))
+        if changed is not None:
+            await changed()

@@ -55,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S", help="announce this throughput (decode tokens/s through the whole span) instead of measuring it at start: a figure measured when the machine was idle, or a weight that steers heads' routes (default: measured)")
     nat = p.add_argument_group("NAT traversal (docs/nat.md)")
     nat.add_argument("--reachability", choices=("auto", "public", "private"), default="auto", help="whether others can dial this peer where it listens: auto asks the bootstrap peers to dial back (AutoNAT); private = behind a NAT: reserve slots on relays and announce addresses through them (default auto)")
+    nat.add_argument("--port-mapping", choices=("on", "off"), default="on", help="with --reachability auto, when the dial-backs find this peer behind a NAT: ask the home gateway to map a port to it (UPnP IGD), renew it while running, remove it on exit, and announce the mapped address once a dial-back gets through it (default on)")
+    nat.add_argument("--reachability-check-s", type=float, default=300.0, metavar="S", help="with --reachability auto, ask the dial-backs again about every S seconds (and the gateway for its mapping): a network that changed (a router that now maps a port, a mapping it forgot) changes what this peer announces, at once (default 300; 0 = never)")
     nat.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None, help="serve circuit relay v2 for peers behind NATs (default: on for --bootstrap-only, off otherwise)")
     p.add_argument("--record-ttl", type=float, default=30.0, metavar="S", help="lifetime of this peer's DHT records (refreshed at a third of it)")
     p.add_argument("--ready-file", type=Path, default=None, help="write peer id, addresses and span here (JSON) once serving")
@@ -175,8 +177,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         fault = faulty_option(args)
         batching = BatchOptions(enabled=args.batching == "on", max_tokens=args.max_batch_tokens)
-        if min(args.drain_s, args.rebalance_s, args.status_s) < 0:
-            raise ValueError("--drain-s, --rebalance-s and --status-s must be >= 0")
+        if not min(args.drain_s, args.rebalance_s, args.status_s, args.reachability_check_s) >= 0:
+            raise ValueError("--drain-s, --rebalance-s, --status-s and --reachability-check-s must be >= 0")
     except ValueError as exc:
         print(f"dsd-node: {exc}", file=sys.stderr)
         return 2
@@ -214,6 +216,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         reachability=args.reachability,
+        port_mapping=args.port_mapping == "on",
+        reachability_check_s=args.reachability_check_s,
         relay=args.relay,
         fault=fault,
         batching=batching,

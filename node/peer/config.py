@@ -51,6 +51,8 @@ class DaemonConfig:
     metrics_host: str = DEFAULT_METRICS_HOST
     reachability: str = "auto"  # auto (AutoNAT dial-backs) | public | private (reached through relays)
     relay: bool | None = None  # serve circuit relay v2; None: only a bootstrap-only node does
+    reachability_check_s: float = 300.0  # auto reachability: ask again this often (a network that changed); 0 = never
+    port_mapping: bool = True  # auto reachability found private: ask the gateway for a port (UPnP), announce it if confirmed
     fault: Fault | None = None  # `--faulty`: the block server lies on purpose (tests and demos only)
     batching: BatchOptions = field(default_factory=BatchOptions)  # `--batching`, `--max-batch-tokens`
 

@@ -21,7 +21,7 @@ import trio
 from dsd.discovery.announce import Announcer
 from dsd.discovery.identity import load_or_create_identity
 from dsd.discovery.nat import NatOptions
-from dsd.discovery.relays import keep_relays, relay_announcer
+from dsd.discovery.relays import keep_relays, relay_announcer, watch_reachability
 from dsd.shard_store.errors import StoreError
 from dsd.shard_store.files import atomic_write_bytes
 
@@ -54,7 +54,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[dict] = 
     relay = cfg.relay if cfg.relay is not None else not (cfg.store or cfg.fetch)
     async with open_peer(
         key_pair, cfg.bootstrap, cfg.link, listen=cfg.listen, seed=cfg.seed, allow_peers=cfg.allow_peers,
-        nat=NatOptions(cfg.reachability, relay),
+        nat=NatOptions(cfg.reachability, relay, port_mapping=cfg.port_mapping),
     ) as peer, trio.open_nursery() as nursery:
         try:
             info, server, announcer = await _start_serving(cfg, peer, nursery, prepared)
@@ -77,12 +77,16 @@ async def _start_serving(
     the block server and the announcer (None for what this peer does not run). A span that does not fit
     (ValueError), a store that cannot load (StoreError) or a metrics port that cannot be bound (OSError) fail."""
     node = peer.node
-    if node.reachability == "private":  # behind a NAT: slots on relays first, so the first record is reachable
+    auto = node.nat is not None and node.nat.options.reachability == "auto"
+    if node.reachability == "private" or auto:  # behind a NAT: relay slots first, so the first record is reachable
         await nursery.start(keep_relays, node)
     if node.nat is not None and node.nat.options.relay:
         await nursery.start(relay_announcer(node, cfg.record_ttl_s).run)
     info: dict = {"peer_id": node.peer_id, "addrs": list(node.addrs), "pid": os.getpid(),
                   "reachability": node.reachability, "relay": bool(node.nat and node.nat.options.relay)}
+    portmap = node.nat.portmap if node.nat is not None else None
+    if portmap is not None and (node.nat.mapped or portmap.failure):
+        info["port_mapping"] = node.nat.mapped or f"none: {portmap.failure}"
     server: BlockServer | None = None
     announcer: Announcer | None = None
     if prepared is not None:
@@ -97,6 +101,9 @@ async def _start_serving(
             raise OSError(f"--metrics-port {cfg.metrics_port}: {exc}") from None
     if announcer is not None:
         await nursery.start(announcer.run)
+    if auto and cfg.reachability_check_s > 0:
+        nursery.start_soon(watch_reachability, node, cfg.reachability_check_s,
+                           announcer.publish_now if announcer is not None else None)
     if server is not None and announcer is not None and prepared is not None and cfg.rebalance_s > 0:
         from .rebalance import Rebalancer
 
@@ -142,7 +149,14 @@ async def _report_status(cfg: DaemonConfig, peer: Peer, announcer: Announcer | N
         print(why_serving(info, cfg.blocks), flush=True)
     reach = {"public": "reachable directly (AutoNAT: peers dialled it back)",
              "private": "behind a NAT: reached through relays, hole punches tried per link"}
-    print(reach.get(peer.node.reachability, f"reachability: {peer.node.reachability}"), flush=True)
+    nat = peer.node.nat
+    if nat is not None and nat.mapped:
+        print(f"behind a NAT whose gateway maps it a port (UPnP): reachable directly at {nat.mapped} (AutoNAT: "
+              "peers dialled it back there)", flush=True)
+    else:
+        print(reach.get(peer.node.reachability, f"reachability: {peer.node.reachability}"), flush=True)
+        if nat is not None and nat.portmap is not None and nat.portmap.failure:
+            print(f"no port mapping: {nat.portmap.failure}", flush=True)
     if announcer is not None:
         print(f"announced: records stored on {announcer.last_stored_at} DHT nodes, refreshed every "
               f"{announcer.refresh_s:.0f} s", flush=True)
