@@ -130,6 +130,7 @@ class P2PNode:
             muxer_preference="YAMUX",
             listen_addrs=self.listen_addrs,
             connection_config=QUIET_CONNECTIONS,
+            addrs_factory=self._advertised,
         )
         # With NAT services, a node starts as a DHT client and serves the DHT once it knows it can be dialled:
         # a private node listed in routing tables would send every lookup to an address nobody reaches.
@@ -183,7 +184,8 @@ class P2PNode:
         assert self.nat is not None
         servers = [ID.from_base58(pid) for _, pid in map(split_addr, self.bootstrap) if pid and pid != self.peer_id]
         servers = [s for s in servers if self.host.get_network().get_connections(s)]
-        listen = announceable(self.host.get_addrs(), self.peer_id, self.bootstrap)
+        # where we listen (not what identify advertises, which is the mapped address once there is one)
+        listen = announceable(self.host.get_transport_addrs(), self.peer_id, self.bootstrap)
         reach = await self.nat.learn_reachability(servers, listen)
         if reach == "private":
             self.dht_server = False
@@ -339,6 +341,13 @@ class P2PNode:
 
         self.host.set_stream_handler(TProtocol(protocol_id), on_stream)
 
+    def _advertised(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        """What identify tells others (and the DHT passes on): the gateway's mapped address once confirmed, not the
+        LAN address behind it (the swarm dials one address per transport: the first it knows)."""
+        if self.nat is not None and self.nat.mapped:
+            return [multiaddr.Multiaddr(self.nat.mapped)]
+        return candidates
+
     def _remember(self, peer_id: str, addrs: Sequence[str]) -> ID:
         pid = ID.from_base58(peer_id)
         mas = []
@@ -349,8 +358,11 @@ class P2PNode:
             if embedded is not None and embedded != peer_id:
                 raise ValueError(f"address {a} belongs to {embedded}, not {peer_id}")
             mas.append(ma)
-        if mas:
-            self.host.get_peerstore().add_addrs(pid, mas, 0)
+        if mas:  # the signed record's addresses replace what identify or the DHT told: the swarm dials the first
+            store = self.host.get_peerstore()
+            if set(map(str, store.addrs(pid) if pid in store.peer_ids() else [])) != set(map(str, mas)):
+                store.clear_addrs(pid)
+                store.add_addrs(pid, mas, 0)
         return pid
 
     async def open_raw(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> Any:

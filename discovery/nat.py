@@ -178,6 +178,7 @@ class NatTraversal:
         self.reservations: dict[str, str] = {}  # relay peer id -> the relay's address we reserved through
         self.portmap = PortMapper() if options.port_mapping and options.reachability == "auto" else None
         self.mapped: str | None = None  # the gateway's mapped address, once a dial-back reached us there
+        self._renewing = False
         self.punches: list[dict[str, Any]] = []  # each punch we initiated: peer, ok, seconds
         self._seen_relayed: set[str] = set()
         self._punching: set[str] = set()
@@ -254,12 +255,22 @@ class NatTraversal:
             log.warning("the gateway maps %s to us but no AutoNAT dial-back got through it: not announcing it, "
                         "reached through relays", mapping.multiaddr)
             self.portmap.failure = f"the gateway maps {mapping.multiaddr} but nothing it forwards reaches us"
+            self.mapped = None
             await self.portmap.close()
             return "private"
-        if self.mapped is None:
-            self._nursery.start_soon(self.portmap.keep)
         self.mapped = mapping.multiaddr
+        if not self._renewing:
+            self._nursery.start_soon(self._renew)
         return "public"
+
+    async def _renew(self) -> None:
+        """Renew the gateway's lease while we hold a mapping (one renewer at a time)."""
+        assert self.portmap is not None
+        self._renewing = True
+        try:
+            await self.portmap.keep()
+        finally:
+            self._renewing = False
 
     # --- relays -------------------------------------------------------------------
 

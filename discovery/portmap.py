@@ -82,6 +82,8 @@ class UpnpGateway:
         try:
             self.upnp.selectigd()
         except Exception as exc:
+            if "no upnp device" in str(exc).lower():  # the search counted nothing it could use as a device
+                raise PortMapError("no UPnP gateway answered on the LAN") from exc
             raise PortMapError(f"UPnP devices answered but none is an Internet gateway: {exc}") from exc
         external = self._external()
         self.found = True

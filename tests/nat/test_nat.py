@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.models import hf_greedy
-from support.nat import PORT, NatSwarm, generate, links, route_peers, swarm_on, testbed_or_skip
+from support.nat import PORT, NatSwarm, generate, links, need_nat_testbed, route_peers, swarm_on
 from support.processes import ForkServer
 from transformers import AutoModelForCausalLM
 
@@ -30,7 +30,7 @@ PROMPT = [1, 17, 42, 99, 5, 17, 42, 99]
 def home_swarm(tmp_path: Path, symmetric: bool) -> Iterator[NatSwarm]:
     """A testbed with a public bootstrap node's and a second relay's machines, and p1, p2 and the head each behind a
     home NAT (symmetric or port-preserving); its `dsd-node` processes stopped and namespaces removed after."""
-    testbed_or_skip()
+    need_nat_testbed()
     with NatTestbed() as tb:
         tb.public("boot"), tb.public("relay2")
         for name in ("p1", "p2", "head"):

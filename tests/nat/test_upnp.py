@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.models import hf_greedy
-from support.nat import PORT, generate, links, route_peers, swarm_on, testbed_or_skip
+from support.nat import PORT, generate, links, need_nat_testbed, route_peers, swarm_on
 from transformers import AutoModelForCausalLM
 
 from dsd.node.testnet.nat_testbed import UPNP_BRIDGE_NET, NatTestbed
@@ -28,7 +28,7 @@ PROMPT = [1, 17, 42, 99, 5, 17, 42, 99]
 def test_a_mapped_peer_is_dialled_directly_and_refusing_or_lying_gateways_leave_peers_on_relays(
     tiny_qwen2_root: Path, tmp_path: Path
 ) -> None:
-    testbed_or_skip(upnp=True)
+    need_nat_testbed(upnp=True)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
     reference = hf_greedy(model, PROMPT, 16)
     store = tiny_qwen2_root / "store"
@@ -90,7 +90,7 @@ trio.run(main)
 
 def test_a_mapping_lives_while_its_lease_is_renewed_and_lapses_without(tmp_path: Path) -> None:
     """A 4 s lease: renewed at half, still listed after 9 s; the same lease not renewed is gone by then."""
-    testbed_or_skip(upnp=True)
+    need_nat_testbed(upnp=True)
     with NatTestbed(bridge_net=UPNP_BRIDGE_NET) as tb:
         host = tb.home("p1", upnp="forward")
         out = subprocess.run(["ip", "netns", "exec", host.netns, sys.executable, "-c", RENEWAL], capture_output=True,
@@ -116,7 +116,7 @@ def test_a_peer_follows_its_network_a_gateway_that_appears_then_forgets_its_mapp
     """Behind a router without UPnP the peer is private (relays); the router starts a gateway: at the next check
     the peer maps a port, is public there and its record says so, the head dials it directly; the router drops
     every mapping: the peer is private again, through relays. Each generation is exact."""
-    testbed_or_skip(upnp=True)
+    need_nat_testbed(upnp=True)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
     reference = hf_greedy(model, PROMPT, 16)
     store = tiny_qwen2_root / "store"

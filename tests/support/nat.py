@@ -18,7 +18,7 @@ from support.processes import ForkServer
 PORT = 4001  # every machine has its own namespace, so each may listen on the same port
 
 
-def testbed_or_skip(upnp: bool = False) -> None:
+def need_nat_testbed(upnp: bool = False) -> None:
     """Skip where namespaces cannot be made (not root); fail where the README test command should have installed
     what the testbed needs (missing, the NAT tests must not pass)."""
     why = nat_testbed_missing()
