@@ -3,10 +3,11 @@ relays, dialling through them) and hole punching (DCUtR), all from py-libp2p, si
 
 A peer behind a home NAT cannot be dialled at the address it listens on. It learns so from AutoNAT dial-backs and
 asks its gateway to map a port (UPnP IGD, `portmap.py`): when a second round of dial-backs reaches it at the mapped
-address, it announces that address and is public. Otherwise it reserves a slot on relays, and announces `<relay>/p2p-circuit/p2p/<itself>`; whoever dials it goes through a
-relay first and then, in the background, tries DCUtR to punch a direct connection. New streams take the direct
-connection once it exists (the swarm prefers direct ones); a relayed connection is closed only once no stream
-uses it, so a session that opened over the relay is never cut by the upgrade.
+address, it announces that address and is public. Otherwise it reserves a slot on relays and announces
+`<relay>/p2p-circuit/p2p/<itself>`; whoever dials it goes through a relay first and then, in the background, tries
+DCUtR to punch a direct connection. New streams take the direct connection once it exists (the swarm prefers direct
+ones); a relayed connection is closed only once no stream uses it, so a session that opened over the relay is never
+cut by the upgrade.
 """
 
 from __future__ import annotations

@@ -163,6 +163,8 @@ class PortMapper:
         except (PortMapError, trio.TooSlowError) as exc:
             self.failure = str(exc) if isinstance(exc, PortMapError) else "the gateway did not answer in time"
             log.info("no port mapping: %s (reached through relays instead)", self.failure)
+            if self._gateway is not None:
+                self._gateway.found = False  # search again next time: the gateway may have gone or changed
             return None
         self.failure = None
         log.info("the gateway maps %s to port %d here (lease %s)", self.mapping.multiaddr, internal_port,
