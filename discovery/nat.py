@@ -221,6 +221,9 @@ class NatTraversal:
         reach = await self._dial_backs(servers, direct)
         if reach == "private" and self.portmap is not None:
             reach = await self._try_mapping(servers, direct)
+        if reach == "unknown" and self.reachability != "unknown":  # no answers is no news: keep the last verdict
+            log.debug("no AutoNAT server answered; still %s", self.reachability)
+            return self.reachability
         if reach != self.reachability:
             log.info("reachability: %s%s", reach, f" (at {self.mapped}, a port the gateway maps)" if self.mapped else "")
         self.reachability = reach
