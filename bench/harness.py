@@ -146,7 +146,6 @@ def generate_cli(args: Sequence[str], prefix: Sequence[str] = (), timeout_s: flo
         return None, out
 
 
-
 def spread(values: Sequence[float], digits: int = 3) -> dict[str, float]:
     """Median, min and max of repeated measurements, and how many there were."""
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
@@ -163,6 +162,7 @@ def whole_model_greedy(hf: Path, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
 
 def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layers: int = 8, hidden: int = 64,
                      seed: int = 0) -> Path:

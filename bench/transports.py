@@ -56,7 +56,6 @@ async def _connection(client, server, transport: str, sizes: list[int], round_tr
     """One fresh connection over `transport`: its setup seconds and the median round trip per payload size."""
     addr = next(a for a in server.get_addrs() if ("quic" in str(a)) == (transport == "quic"))
     info = info_from_p2p_addr(addr)
-    client.get_peerstore().clear_addrs(info.peer_id)
     t0 = time.perf_counter()
     with trio.fail_after(10):
         await client.connect(info)

@@ -24,6 +24,7 @@ from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -360,7 +361,11 @@ class P2PNode:
             mas.append(ma)
         if mas:  # the signed record's addresses replace what identify or the DHT told: the swarm dials the first
             store = self.host.get_peerstore()
-            if set(map(str, store.addrs(pid) if pid in store.peer_ids() else [])) != set(map(str, mas)):
+            try:
+                known = {str(a) for a in store.addrs(pid)}
+            except PeerStoreError:  # never seen (or expired)
+                known = set()
+            if known != {str(a) for a in mas}:
                 store.clear_addrs(pid)
                 store.add_addrs(pid, mas, 0)
         return pid

@@ -123,14 +123,13 @@ class UpnpGateway:
                                f"lists {listed!r} for it")
         return Mapping(external_ip, port, lan, internal_port, protocol, lease)
 
-    def renew(self, mapping: Mapping) -> Mapping:
+    def renew(self, mapping: Mapping) -> None:
         """Ask again for the same mapping (a new lease); PortMapError if it is gone or refused."""
         try:
             self.upnp.addportmapping(mapping.external_port, mapping.protocol, mapping.internal_ip,
                                      mapping.internal_port, DESCRIPTION, "", mapping.lease_s)
         except Exception as exc:
             raise PortMapError(f"the gateway refused to renew {mapping.multiaddr}: {exc}") from exc
-        return mapping
 
     def unmap(self, mapping: Mapping) -> None:
         """Remove the mapping (PortMapError if the gateway refuses)."""
