@@ -45,7 +45,7 @@ from harness import (
     run_metadata,
     testnet,
 )
-from sweep_model import BATCHED, CHAIN, SERIAL, base_mode, summarize
+from sweep_model import BATCHED, CHAIN, SERIAL, base_mode, lever_options, summarize
 from sweep_options import CALIBRATION_PROBLEMS, SweepOptions, parse_args
 from sweep_placement import Placement
 from sweep_provenance import (
@@ -129,11 +129,14 @@ async def run_prompt(swarm: Any, legs: Any, hops: list[Any], setup: Any, workloa
     out: list[dict[str, Any]] = []
     wire = WireFormat(opts.codec, opts.zstd)  # auto: the head's compute dtype's codec, as without one
     for mode in opts.modes:
+        options = {
+            "pipeline": 1 if mode.endswith(SERIAL) else opts.pipeline, "ahead_alone": not mode.endswith(BATCHED),
+            **lever_options(mode),
+        }
         cfg = GenerationConfig(
             mode=base_mode(mode), max_new_tokens=opts.max_new_tokens, params=SamplingParams(), eos_ids=eos,
             stop_strings=HUMANEVAL_STOPS if real else (), tau_max=opts.tau_max if mode == "dsd-adaptive" else 0.0,
-            branches=opts.branches, tree_nodes=0 if mode.endswith(CHAIN) else opts.tree_nodes,
-            pipeline=1 if mode.endswith(SERIAL) else opts.pipeline, ahead_alone=not mode.endswith(BATCHED),
+            branches=opts.branches, tree_nodes=0 if mode.endswith(CHAIN) else opts.tree_nodes, **options,
         )
         mode_setup = replace(setup, drafter=None) if base_mode(mode) == "ar" else setup
         if mode_setup.drafter is not None:

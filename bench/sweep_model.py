@@ -15,15 +15,25 @@ from typing import Any
 import numpy as np
 from sweep_provenance import set_apart_groups, stretches
 
+# Issue 57's levers on dsd's ahead-of-verdict work, each a mode of its own (`dsd-levers`: all of them), and the
+# engine options each sets (node/head/config.py says what they do).
+LEVERS: dict[str, dict[str, Any]] = {
+    "-budget": {"budget": True},
+    "-trees": {"ready_trees": True},
+    "-deep": {"pipeline": 3, "deep_min": 0.6},
+    "-fallback": {"fallback": True},
+}
+LEVERS["-levers"] = {k: v for opts in LEVERS.values() for k, v in opts.items()}
 MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial", "dsd-batched", "ar-shared",
-         "sd-shared", "dsd-shared")
+         "sd-shared", "dsd-shared", *(f"dsd{suffix}" for suffix in LEVERS))
 # Paired ratios reported when both modes ran: the speedups, trees (the controller's choice) vs chains, the
 # pipeline, and a pinned head vs one sharing every CPU (with the speedups of the shared placement).
 RATIOS = (("dsd", "ar"), ("sd", "ar"), ("dsd", "sd"), ("sd", "sd-chain"), ("dsd", "dsd-chain"),
           ("dsd-chain", "sd-chain"), ("dsd", "dsd-serial"), ("dsd-serial", "sd"), ("dsd", "dsd-batched"),
           ("dsd-batched", "ar"), ("dsd-batched", "sd"),
           ("dsd", "dsd-shared"), ("sd", "sd-shared"), ("ar", "ar-shared"),
-          ("dsd-shared", "ar-shared"), ("sd-shared", "ar-shared"), ("dsd-shared", "sd-shared"))
+          ("dsd-shared", "ar-shared"), ("sd-shared", "ar-shared"), ("dsd-shared", "sd-shared"),
+          *((f"dsd{suffix}", den) for suffix in LEVERS for den in ("dsd", "sd", "ar")))
 CHAIN = "-chain"  # a mode with this suffix is its base mode with token trees off (windows are chains)
 SERIAL = "-serial"  # dsd with one window in flight (`--pipeline 1`): the pre-drafting overlap alone
 BATCHED = "-batched"  # dsd sending a window ahead only once every outcome branch is drafted (before 2026-12-05)
@@ -39,7 +49,14 @@ def base_mode(mode: str) -> str:
     """The engine's mode of a benchmark mode: `sd-chain` runs `sd` with chains only, `dsd-serial` runs `dsd`
     with one window in flight, `dsd-batched` sends it ahead after all branches, `dsd-shared` runs `dsd` with
     the head sharing the peers' CPUs."""
+    for suffix in LEVERS:
+        mode = mode.removesuffix(suffix)
     return mode.removesuffix(SHARED).removesuffix(CHAIN).removesuffix(SERIAL).removesuffix(BATCHED)
+
+
+def lever_options(mode: str) -> dict[str, Any]:
+    """The engine options a lever mode sets (`dsd-budget`: budget on), none for any other mode."""
+    return next((dict(opts) for suffix, opts in LEVERS.items() if mode.endswith(suffix)), {})
 
 
 def interp(table: dict[int, float], x: float) -> float:
@@ -220,6 +237,12 @@ def decode_tokens_per_s(run: dict[str, Any]) -> float:
 def paired_ratios(setting: dict[str, Any], num: str, den: str,
             value: Callable[[dict[str, Any]], float] = lambda r: r["tokens_per_s"]) -> list[list[float]]:
     """Per prompt: the ratio num/den of a run's `value` in each repetition (the two runs were adjacent in time)."""
+    return list(paired_by_prompt(setting, num, den, value).values())
+
+
+def paired_by_prompt(setting: dict[str, Any], num: str, den: str,
+                     value: Callable[[dict[str, Any]], float] = lambda r: r["tokens_per_s"]) -> dict[str, list[float]]:
+    """`paired_ratios` keyed by the prompt's task id."""
     by: dict[tuple[str, int], dict[str, float]] = {}
     for r in setting["runs"]:
         if "error" not in r:
@@ -228,7 +251,14 @@ def paired_ratios(setting: dict[str, Any], num: str, den: str,
     for (task, _), modes in by.items():
         if num in modes and den in modes and modes[den] > 0:
             groups.setdefault(task, []).append(modes[num] / modes[den])
-    return list(groups.values())
+    return groups
+
+
+def per_prompt(groups: dict[str, list[float]]) -> dict[str, Any]:
+    """Each prompt's median ratio over its repetitions, and the worst prompt's: a lever must pay on every prompt."""
+    medians = {task: statistics.median(g) for task, g in groups.items() if g}
+    worst = min(medians, key=lambda t: medians[t]) if medians else None
+    return {"per_prompt": medians, "worst_prompt": None if worst is None else {"task_id": worst, "median": medians[worst]}}
 
 
 def ratio_summary(groups: list[list[float]]) -> dict[str, Any]:
@@ -318,7 +348,9 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
         gamma = best_gamma(base_mode(m), cal, pipeline=min(depth, 2), alone=alone)
         pred = predict(base_mode(m), cal, gamma, pipeline=min(depth, 2), alone=alone)
         # The model describes up to two windows in flight; a deeper pipeline is measured only, never "predicted".
-        row["model"] = None if depth > 2 else {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]}
+        # A lever mode is measured only: the timing model does not describe the levers.
+        modelled = depth <= 2 and not lever_options(m)
+        row["model"] = {**pred, "speedup_vs_ar": ar_pred["s_per_token"] / pred["s_per_token"]} if modelled else None
         row["paper"] = paper_prediction(setting["peers"], cal["t0_s"], cal["latency_ms"] / 1000, pred["tokens_per_round"])
         ref_tokens = {(r["task_id"], r["rep"]): r["tokens"] for r in runs if r["mode"] == ref}
         same = [r["tokens"] == ref_tokens[(r["task_id"], r["rep"])] for r in mine if (r["task_id"], r["rep"]) in ref_tokens]
@@ -328,9 +360,10 @@ def summarize(setting: dict[str, Any]) -> dict[str, Any]:
             row["pass_at_1"] = sum(first) / len(first)
         out["modes"][m] = row
     for num, den in RATIOS:
-        groups = paired_ratios(setting, num, den)
+        by_prompt = paired_by_prompt(setting, num, den)
+        groups = list(by_prompt.values())
         if groups:
-            out["ratios"][f"{num}/{den}"] = ratio_summary(groups)
+            out["ratios"][f"{num}/{den}"] = {**ratio_summary(groups), **per_prompt(by_prompt)}
             if base_mode(den) == "ar":  # what the timing model predicts: decoding, without the prompt's trip
                 out["ratios"][f"{num}/{den} decode"] = ratio_summary(paired_ratios(setting, num, den, decode_tokens_per_s))
             if num.removesuffix(CHAIN) == den.removesuffix(CHAIN):  # trees vs chains: tokens per trip too

@@ -56,6 +56,10 @@ class GenerationConfig:
     pipeline: int = 2  # dsd: windows in flight at once (the next sent on the full-acceptance bet); 1 = one
     ahead_alone: bool = True  # dsd: draft the full-acceptance bet alone and send it before the other branches
     ahead_min: float = 0.05  # dsd: send a window ahead only if its bet is at least this likely (draft's q or measured α)
+    budget: bool = False  # dsd: a window goes ahead, and a branch is drafted, only where its chance pays for its cost
+    ready_trees: bool = False  # dsd: a matched pre-drafted chain gives way to a tree drafted now when the tree pays more
+    deep_min: float = 0.0  # dsd, pipeline > 2: windows beyond the second go out only while this share of bets wins
+    fallback: bool = False  # dsd: while ahead-of-verdict work costs more than it saves, decode as sd (probing again)
     logprobs: int | None = None  # record the target's log-probability of each token and this many alternatives (None: off)
 
     def __post_init__(self) -> None:
@@ -65,6 +69,8 @@ class GenerationConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if not 0.0 <= self.ahead_min <= 1.0:
             raise ValueError(f"ahead_min must be in [0, 1], got {self.ahead_min}")
+        if not 0.0 <= self.deep_min <= 1.0:
+            raise ValueError(f"deep_min must be in [0, 1], got {self.deep_min}")
         if not 1 <= self.pipeline <= MAX_PIPELINE:
             raise ValueError(f"pipeline must be in [1, {MAX_PIPELINE}], got {self.pipeline}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

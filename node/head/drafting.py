@@ -10,12 +10,15 @@ position len(c)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import trio
+
+from dsd.protocol.deadlines import cost_line
 
 from .config import TREE_DEPTH_CAP, TREE_TOP_K, Drafter, GenerationConfig, TreeDrafter
 from .draft_tree import DraftTree, expand_tree
@@ -137,6 +140,13 @@ class Drafting:
         self.coupled = coupled  # the generation's noise in the lossless sampling modes: rows become coupled rows
         self.draft_token_s = 0.0  # last measured seconds per drafted token (or per batched branch step)
         self.tree_layer_s = 0.0  # last measured seconds per drafted tree layer
+        self.single_token_s = 0.0  # last measured seconds per token of a single (unbatched) draft step
+        self._steps: deque[tuple[int, float]] = deque(maxlen=32)  # (rows, seconds) of recent pre-drafting steps
+
+    def row_cost_s(self) -> float | None:
+        """What one more row adds to a batched pre-drafting step, in seconds (fitted; None until rows varied)."""
+        fit = cost_line((float(n), t) for n, t in self._steps)
+        return None if fit is None else fit[1]
 
     def _row(self, q: torch.Tensor, pos: int) -> torch.Tensor:
         """The row the head bets on for position `pos`: q, or its coupled row when the noise is set."""
@@ -176,7 +186,7 @@ class Drafting:
         dt = time.perf_counter() - t0
         self.times.drafting += dt
         if toks:
-            self.draft_token_s = dt / len(toks)
+            self.draft_token_s = self.single_token_s = dt / len(toks)
         return Draft(list(toks), list(probs) if probs is not None else [None] * len(toks))
 
     def _expand(self, context: list[int], nodes: int, depth: int) -> tuple[DraftTree, int]:
@@ -210,7 +220,7 @@ class Drafting:
         return Bets(branches, {id(b): 0.0 for b in branches})
 
     async def predraft(self, bets: Bets, gamma: int, arrived: Arrival, due: float | None, *,
-                       main_only: bool = False) -> Bets:
+                       main_only: bool = False, worth: Callable[[Branch, int], bool] | None = None) -> Bets:
         """While a window flies: advance every outcome branch of `bets` one batched step at a time until the
         verdict arrives (the step under way is finished) or every branch holds `gamma` tokens; with
         `main_only`, just the full-acceptance bet (to send it ahead before the others are drafted).
@@ -218,12 +228,18 @@ class Drafting:
         A batched step costs more than a single one, so when the steps still needed would run past
         the trip's expected end (`due`, a perf_counter time), the least likely half of the other
         branches is dropped: the main branch must be ready first. A later call continues the bets
-        where an earlier one stopped (cut short by a verdict)."""
+        where an earlier one stopped (cut short by a verdict).
+
+        `worth` (the engine's budget): before each step, a branch other than the main one that it says is not worth
+        the tokens it still needs is dropped, and so are all of them when the step would end after `due`: the head
+        idles until the verdict rather than draft what is unlikely to be used and late."""
         branches, dead = bets.branches, bets.dead
         first = True
         while True:
             active = [b for b in branches if id(b) not in dead and (b.root is None or len(b.tokens) < gamma)
                       and (b.main or not main_only)]
+            if worth is not None and active:
+                active = self._within_budget(active, gamma, due, worth, dead)
             if not active or (arrived.is_set() and not first):
                 break
             t0 = time.perf_counter()
@@ -253,6 +269,22 @@ class Drafting:
                     b.tokens.append(tok)
                     b.probs.append(q)
             self.draft_token_s = dt  # one batched step extends every branch by one token
+            self._steps.append((len(active), dt))
+            if len(active) == 1:
+                self.single_token_s = dt
             first = False
         return bets
 
+    def _within_budget(self, active: list[Branch], gamma: int, due: float | None,
+                       worth: Callable[[Branch, int], bool], dead: set[int]) -> list[Branch]:
+        """The branches of `active` worth their next step (the main one always): those `worth` rejects, and every
+        other one when the step would end after `due`, are marked dead."""
+        keep = [b for b in active if b.main or worth(b, gamma - len(b.tokens) + (b.root is None))]
+        if due is not None and len(keep) > 1:
+            fit = cost_line((float(n), t) for n, t in self._steps)
+            step = None if fit is None else fit[0] + fit[1] * len(keep)
+            if step is not None and time.perf_counter() + step > due:
+                keep = [b for b in keep if b.main]
+        kept = {id(b) for b in keep}
+        dead.update(id(b) for b in active if id(b) not in kept)
+        return keep

@@ -53,6 +53,7 @@ from .config import (
 )
 from .draft_tree import DraftTree
 from .drafting import Arrival, Bets, Draft, Drafting
+from .fallback import AheadLedger
 from .logprobs import emitted_rows, token_logprobs
 from .outcomes import (
     Branch,
@@ -89,6 +90,7 @@ class _Flight:
     context: list[int]
     epoch: int
     sent_at: float
+    alone: bool = False  # sent with no other window in flight (its trip is what an sd window's would be)
     bets: Bets | None = None
     bets_done: bool = False
 
@@ -138,17 +140,20 @@ class HeadEngine:
         self.trees = cfg.mode != "ar" and cfg.tree_nodes != 0 and can_tree
         # dsd: windows in flight at once; a backend that can hold more than one says so.
         self.pipeline = cfg.pipeline if self.overlap and caps.pipeline else 1
+        self.ledger = AheadLedger() if self.overlap and cfg.fallback else None  # dsd's fallback to sd
 
     # --- drafting ---------------------------------------------------------
 
-    def _tree_plan(self, gamma: int, produced: int) -> tuple[int, int]:
-        """(nodes, depth) of the next window drafted after a trip as a tree, (0, 0) for a chain of γ."""
+    def _tree_plan(self, gamma: int, produced: int, *, ready: bool = False) -> tuple[int, int]:
+        """(nodes, depth) of the next window drafted after a trip as a tree, (0, 0) for a chain of γ (`ready`: a
+        pre-drafted chain is at hand, so the tree must beat it without its drafting)."""
         if not self.trees or gamma < 1:
             return 0, 0
         if self.cfg.tree_nodes:
-            return self.cfg.tree_nodes, gamma
+            return (0, 0) if ready else (self.cfg.tree_nodes, gamma)
         room = self.cfg.max_new_tokens - produced
-        return self.window.plan_tree(gamma, cap=TREE_CAP, depth_cap=min(self.cfg.gamma_max, room, TREE_DEPTH_CAP))
+        return self.window.plan_tree(gamma, cap=TREE_CAP, depth_cap=min(self.cfg.gamma_max, room, TREE_DEPTH_CAP),
+                                     ready=ready)
 
     def _branches(self, committed: list[int], drafts: Draft) -> list[Branch]:
         """The outcome branches to pre-draft while this window flies."""
@@ -179,6 +184,7 @@ class HeadEngine:
         epoch = 0
         flights: deque[_Flight] = deque()
         await self._launch(flights, committed, Draft([], []), epoch, start=0, commit=0)
+        last_verdict = 0.0
         while True:
             flight = flights.popleft()
             replays = self.backend.replays
@@ -187,7 +193,11 @@ class HeadEngine:
                 tally.prefill_s = round_s
             t_v = time.perf_counter()
             outcome = self._verify(logits, flight.drafts, start=len(flight.context))
-            self.times.verifying += time.perf_counter() - t_v
+            verdict = time.perf_counter()
+            self.times.verifying += verdict - t_v
+            if tally.rounds:
+                self._weigh_ahead(tally, flight, round_s, verdict - last_verdict, verdict - t_v)
+            last_verdict = verdict
             self._count(tally, flight.drafts, outcome, round_s)
             log.debug("verdict: epoch %d, %d of %d drafts accepted, round %.3f s, %d window(s) still out",
                       flight.epoch, outcome.accepted, len(flight.drafts.tokens), round_s, len(flights))
@@ -210,6 +220,8 @@ class HeadEngine:
             stale = len(flights)
             if stale:  # windows sent on an outcome that did not happen: their results will be skipped
                 tally.pipelined_wasted += stale
+                for _ in range(stale):
+                    self.window.observe_ahead(False)
                 self._waste(flights)
                 flights.clear()
             if stale or (flight.drafts.tokens and not outcome.full):
@@ -233,7 +245,7 @@ class HeadEngine:
         if keep is not None:
             tree["keep"] = keep
         await self.backend.submit(list(context[start:]) + drafts.tokens, start=start, commit=commit, epoch=epoch, **tree)
-        flights.append(_Flight(drafts, list(context), epoch, time.perf_counter()))
+        flights.append(_Flight(drafts, list(context), epoch, time.perf_counter(), alone=not flights))
         log.debug("sent: epoch %d, %d tokens (%d drafts) at position %d, %d window(s) out",
                   epoch, len(context) - start + len(drafts.tokens), len(drafts.tokens), start, len(flights))
 
@@ -241,7 +253,7 @@ class HeadEngine:
         """Wait for the window's target logits (the round's seconds since it was sent); in dsd, pre-draft
         the outcome branches meanwhile and send the next window ahead when the pipeline has room."""
         rows = len(flight.drafts.tokens) + 1
-        if self.overlap:
+        if self.overlap and self._ahead:
             arrived = Arrival()
             box: list[torch.Tensor | Exception] = []
             async with trio.open_nursery() as nursery:
@@ -271,7 +283,7 @@ class HeadEngine:
                 return
             tail_bets = self._bets_of(tail)
             main = tail_bets.main
-            if 1 + len(later) < self.pipeline and tail.drafts.tree is None and main is not None \
+            if 1 + len(later) < self._depth and tail.drafts.tree is None and main is not None \
                     and (self.cfg.ahead_alone or tail.bets_done) and self._worth_sending(tail, main, gamma_next):
                 if self.cfg.ahead_alone and len(main.tokens) < gamma_next and not tail_bets.is_dead(main):
                     await self.drafting.predraft(tail_bets, gamma_next, arrived, None, main_only=True)
@@ -299,7 +311,8 @@ class HeadEngine:
             # this round is observed, and a branch shorter than that would cut the next window short.
             room = self.cfg.max_new_tokens - after
             ahead = max(gamma_pending, min(gamma_pending + LOOKAHEAD, self.cfg.gamma_max, room))
-            await self.drafting.predraft(bets, ahead, arrived, due)
+            worth = self._branch_worth(gamma_pending) if self.cfg.budget else None
+            await self.drafting.predraft(bets, ahead, arrived, due, worth=worth)
             pending.bets_done = not arrived.is_set()
 
     def _bets_of(self, window: _Flight) -> Bets:
@@ -315,15 +328,75 @@ class HeadEngine:
 
     def _worth_sending(self, tail: _Flight, main: Branch, gamma: int) -> bool:
         """A window goes ahead only if its bet is likely (as the draft rates it, or as the measured acceptance does)
-        and, on a loaded route, pays for the rows it takes from the others (`WindowController.worth_ahead`)."""
+        and, on a loaded route, pays for the rows it takes from the others (`WindowController.worth_ahead`). With
+        `budget`, the chance is the measured share of bets won once some were settled, and the bet must pay for
+        the route's time a lost one wastes (`WindowController.ahead_pays`)."""
         p_win = max(main.value, self.window.alpha ** (len(tail.drafts.tokens) + 1))
-        return p_win >= self.cfg.ahead_min and self.window.worth_ahead(p_win, gamma)
+        if not (p_win >= self.cfg.ahead_min and self.window.worth_ahead(p_win, gamma)):
+            return False
+        if not self.cfg.budget:
+            return True
+        won = self.window.ahead_won
+        expected = self.window.expected_round_s(len(tail.drafts.tokens))
+        if expected is None:
+            return True
+        saved = tail.sent_at + expected - time.perf_counter()
+        return self.window.ahead_pays(p_win if won is None else won, gamma, saved)
+
+    def _branch_worth(self, gamma: int) -> Callable[[Branch, int], bool]:
+        """With `budget`: whether an outcome branch still needing `left` tokens is worth its batched rows. Used, it
+        spares drafting γ tokens after the verdict (γ·d, d = a single step's seconds per token); each row it
+        adds costs the head's batched steps `m` seconds (their fitted marginal row cost)."""
+        saved = gamma * self.drafting.single_token_s
+        m = self.drafting.row_cost_s()
+
+        def worth(branch: Branch, left: int) -> bool:
+            return m is None or branch.value * saved >= m * left
+
+        return worth
+
+    @property
+    def _ahead(self) -> bool:
+        """Whether this round works ahead of its verdict (dsd), not after it as sd does (the fallback rule)."""
+        return self.ledger is None or self.ledger.ahead
+
+    @property
+    def _depth(self) -> int:
+        """Windows in flight at once now: the pipeline, but beyond two only while bets win often (`deep_min`)."""
+        if self.pipeline <= 2 or self.cfg.deep_min <= 0:
+            return self.pipeline
+        won = self.window.ahead_won
+        return self.pipeline if won is not None and won >= self.cfg.deep_min else 2
+
+    def _weigh_ahead(self, tally: GenerationResult, flight: _Flight, round_s: float, actual_s: float,
+                     verify_s: float) -> None:
+        """The fallback rule's round (`fallback.py`): this verdict took `actual_s` since the last; sd would have
+        spent a clean trip, the window's drafting after the verdict and the same verifying."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        if flight.alone:
+            ledger.observe_trip(round_s)
+        drafts = flight.drafts
+        if drafts.tree is not None and self.drafting.tree_layer_s > 0:
+            draft_s = drafts.depth * self.drafting.tree_layer_s
+        else:
+            draft_s = len(drafts.tokens) * self.drafting.single_token_s
+        was_ahead = ledger.ahead
+        ledger.observe(actual_s=actual_s, draft_s=draft_s, verify_s=verify_s)
+        if not ledger.ahead:
+            tally.fallback_rounds += 1
+        if ledger.ahead != was_ahead:
+            log.info("dsd %s: %s", "falls back to sd" if was_ahead else "probes again",
+                     "work ahead of the verdicts cost more than it saved" if was_ahead else "after its hold")
+        self.window.overlap = ledger.ahead
 
     def _went_on(self, tally: GenerationResult, flight: _Flight) -> None:
         """The outcome matched the window sent ahead of it: count a ready round and the drafting it used."""
         tally.windows_after_prefill += 1
         tally.ready_rounds += 1
         tally.pipelined_rounds += 1
+        self.window.observe_ahead(True)
         bets = flight.bets
         if bets is not None:
             tally.branches_drafted += len(bets.branches)
@@ -380,6 +453,10 @@ class HeadEngine:
             k = outcome.accepted
             chosen = pick(bets.branches, k, committed[-1]) if sent.tree is None else pick_after_tree(bets.branches, k, committed)
             tally.branches_drafted += len(bets.branches)
+        if chosen is not None and self.cfg.ready_trees and self._tree_plan(gamma_next, produced + 1, ready=True)[0]:
+            chosen = None  # a tree drafted now pays more than the ready chain (low acceptance)
+            tally.ready_given_up += 1
+        if bets is not None:
             self._account(bets, chosen)
         if chosen is not None and gamma_next > 0:
             drafts = Draft(chosen.tokens[:gamma_next], chosen.probs[:gamma_next])

@@ -78,6 +78,8 @@ class GenerationResult:
     tree_windows: int = 0  # draft windows sent as token trees
     pipelined_rounds: int = 0  # of the ready rounds, windows sent before the verdict they bet on (dsd pipeline)
     pipelined_wasted: int = 0  # windows sent before a verdict that then did not match them (dropped)
+    ready_given_up: int = 0  # ready chains set aside for a tree drafted after the verdict (`ready_trees`)
+    fallback_rounds: int = 0  # rounds decoded as sd by dsd's fallback rule (`fallback.py`)
     ahead_gaps: list[float] = field(default_factory=list)  # per window sent ahead: seconds after the one it bets on
     route_loads: list[float] = field(default_factory=list)  # per round: the load its route reported (window.py)
     head_loads: list[float] = field(default_factory=list)  # per round: the serving head's own load (draft_batch.py)
@@ -163,6 +165,8 @@ class GenerationResult:
             "tree_windows": self.tree_windows,
             "pipelined_rounds": self.pipelined_rounds,
             "pipelined_wasted": self.pipelined_wasted,
+            "ready_given_up": self.ready_given_up,
+            "fallback_rounds": self.fallback_rounds,
             "ahead_gap_s": round(float(np.median(self.ahead_gaps)), 4) if self.ahead_gaps else None,
             "route_load": round(float(np.mean(self.route_loads)), 4) if self.route_loads else 0.0,
             "head_load": round(float(np.mean(self.head_loads)), 4) if self.head_loads else 0.0,

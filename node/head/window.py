@@ -61,7 +61,16 @@ chain (it holds a node of rank ≥ 2). The prior of r puts all its weight on ran
 (α's prior) and on "beyond K", so trees appear only once the target has been seen
 choosing one of the draft's alternatives; before any round, and with a fixed
 `gamma`, windows are chains. A tree round updates α with its ranks (a success per
-rank-1 position) and the round-time fit with its n + 1 tokens.
+rank-1 position) and the round-time fit with its n + 1 tokens. With `ready_trees`
+(dsd), a pre-drafted chain that matched the verdict is weighed the same way against a
+tree drafted now, at E(γ) / R(γ): it costs no drafting, so a tree must gain more
+tokens than its layers cost (where acceptance is low, it does).
+
+Ahead-of-verdict levers (issue 57; `GenerationConfig.budget`, `deep_min`): a window sent
+ahead on a bet won with probability p (the measured share of ahead windows used, once
+seen) saves the seconds until the bet's verdict; lost, its γ + 1 rows cost the route
+b·(γ + 1) seconds that the next window waits behind. It goes only if p·saved ≥
+(1 − p)·b·(γ + 1) (`ahead_pays`).
 """
 
 from __future__ import annotations
@@ -120,6 +129,7 @@ class WindowController:
         self._round_s: float | None = None
         self._rounds: deque[tuple[int, float]] = deque(maxlen=16)  # (window tokens, round seconds)
         self._ready: float | None = None  # EWMA of "the next window was pre-drafted" (dsd)
+        self._won: float | None = None  # EWMA of "a window sent ahead on a bet was used" (dsd)
         # Weighted counts of the target's token being the draft's k-th choice: [beyond K, rank 1, .., rank K].
         self._ranks = [(1.0 - prior_alpha) * prior_weight, prior_alpha * prior_weight] + [0.0] * (tree_ranks - 1)
         self._layer_s: float | None = None  # seconds per batched draft layer of a tree (EWMA)
@@ -221,6 +231,24 @@ class WindowController:
         x = 1.0 if ready else 0.0
         self._ready = x if self._ready is None else self.decay * self._ready + (1.0 - self.decay) * x
 
+    def observe_ahead(self, won: bool) -> None:
+        """Record whether a window sent ahead on a bet was used (the verdict matched it) or dropped."""
+        x = 1.0 if won else 0.0
+        self._won = x if self._won is None else self.decay * self._won + (1.0 - self.decay) * x
+
+    @property
+    def ahead_won(self) -> float | None:
+        """Smoothed share of windows sent ahead that were used (None before any was settled)."""
+        return self._won
+
+    def ahead_pays(self, p_win: float, gamma: int, saved_s: float) -> bool:
+        """Whether a window of γ drafts sent ahead on a bet won with probability `p_win`, `saved_s` seconds before it
+        could go otherwise, pays for the route's compute a lost bet wastes (and a later window then queues behind):
+        p·saved ≥ (1 − p)·b·(γ + 1), b = the fitted per-token round time (`round_model`)."""
+        p = min(max(p_win, 0.0), 1.0)
+        _, b = self.round_model()
+        return p * max(saved_s, 0.0) >= (1.0 - p) * b * (gamma + 1)
+
     @property
     def ready_share(self) -> float | None:
         """Smoothed share of ready windows (None before any observation)."""
@@ -307,15 +335,16 @@ class WindowController:
             push(-neg, d + 1, chain)
         return out
 
-    def plan_tree(self, gamma: int, *, cap: int, depth_cap: int) -> tuple[int, int]:
-        """(nodes, depth) of the next window as a token tree, or (0, 0) to send a chain of γ drafts."""
+    def plan_tree(self, gamma: int, *, cap: int, depth_cap: int, ready: bool = False) -> tuple[int, int]:
+        """(nodes, depth) of the next window as a token tree, or (0, 0) to send a chain of γ drafts; `ready`: the
+        chain is drafted already (a pre-drafted branch matched), so it costs no drafting and a tree must beat that."""
         if self.fixed is not None or cap < 2 or depth_cap < 1 or gamma < 1:
             return 0, 0
         if self._round_s is None or self._draft_s is None:
             return 0, 0
         d = self._draft_s
         layer = self._layer_s if self._layer_s is not None else d
-        t_chain = (self.expected_round_s(gamma) or 0.0) + gamma * d
+        t_chain = (self.expected_round_s(gamma) or 0.0) + (0.0 if ready else gamma * d)
         chain_net = self.expected_tokens(self.alpha, gamma) - self.load * gamma
         chain_rate = chain_net / t_chain if t_chain > 0 else chain_net
         best, best_rate, gain, deepest, branched = (0, 0), chain_rate, 1.0, 0, False

@@ -464,3 +464,19 @@ def test_a_route_must_cross_n_peers_with_the_span_t0_was_measured_on() -> None:
     lumpy = hops((0, 5), (5, 8), (8, 12), (12, 16), (16, 19), (19, 22), (22, 25), (25, 28))
     assert "largest span has 5 layers, t0 was measured over 4" in route_mismatch(lumpy, calibration)
     assert "crosses 7 peers" in route_mismatch(even[:7], calibration)
+
+
+def test_lever_modes_run_dsd_with_their_options_and_report_the_worst_prompt() -> None:
+    from sweep_model import LEVERS, MODES, base_mode, lever_options, paired_by_prompt, per_prompt
+
+    assert {f"dsd{s}" for s in LEVERS} <= set(MODES)
+    assert base_mode("dsd-budget") == base_mode("dsd-levers") == "dsd"
+    assert lever_options("dsd-deep") == {"pipeline": 3, "deep_min": 0.6} and lever_options("dsd") == {}
+    assert lever_options("dsd-levers") == {"budget": True, "ready_trees": True, "pipeline": 3, "deep_min": 0.6,
+                                           "fallback": True}
+    runs = [{"task_id": t, "rep": rep, "mode": m, "tokens_per_s": v}
+            for t, rep, m, v in (("a", 1, "sd", 1.0), ("a", 1, "dsd", 1.5), ("a", 2, "sd", 1.0), ("a", 2, "dsd", 1.3),
+                                 ("b", 1, "sd", 2.0), ("b", 1, "dsd", 1.8))]
+    summary = per_prompt(paired_by_prompt({"runs": runs}, "dsd", "sd"))
+    assert summary["per_prompt"] == {"a": pytest.approx(1.4), "b": pytest.approx(0.9)}
+    assert summary["worst_prompt"] == {"task_id": "b", "median": pytest.approx(0.9)}

@@ -77,7 +77,11 @@ class HeldBackend(LocalBackend):
         return await super().collect(epoch=epoch, rows=rows)
 
 
-def generate_many(sampling_models, mode: str, runs: int, tree_nodes: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+LEVERS = {"budget": True, "ready_trees": True, "fallback": True, "pipeline": 3, "deep_min": 0.6}  # issue 57's, all on
+
+
+def generate_many(sampling_models, mode: str, runs: int, tree_nodes: int = 0,
+                  levers: dict | None = None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The first two tokens of `runs` generations (seed i, whose noise the engine shares with the drafter), and
     those of the runs whose second window was a pre-drafted branch (with `tree_nodes`: a tree window)."""
     head, span, draft, _ = sampling_models
@@ -92,7 +96,8 @@ def generate_many(sampling_models, mode: str, runs: int, tree_nodes: int = 0) ->
             backend = HeldBackend(head, [span], drafter, hold=mode == "dsd")
             # Three tokens: the prompt's result gives the first; the second window carries one draft
             # (none would be drafted for a last token), so the second token is a verified one.
-            cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=tree_nodes)
+            cfg = GenerationConfig(mode=mode, max_new_tokens=3, params=T1, gamma=1, seed=seed, tree_nodes=tree_nodes,
+                                   **(levers or {}))
             result = await HeadEngine(backend, drafter, cfg).run(SAMPLING_PROMPT)
             pairs.append((result.tokens[0], result.tokens[1]))
             if result.ready_rounds or result.tree_windows:
@@ -111,10 +116,13 @@ def p_second_given_first(sampling_models, pairs: list[tuple[int, int]]) -> float
     return chi2_pvalue(counts.sum(0), (counts.sum(1).double()[:, None] * second).sum(0))
 
 
-@pytest.mark.parametrize("mode", ["sd", "sd-tree", "dsd"])
+@pytest.mark.parametrize("mode", ["sd", "sd-tree", "dsd", "dsd-levers"])
 def test_first_tokens_follow_the_target_distribution(sampling_models, mode: str) -> None:
+    """`dsd-levers`: dsd with every lever of issue 57 on (budget, ready trees, fallback, a third window)."""
     tree = mode == "sd-tree"
-    pairs, reused = generate_many(sampling_models, "sd" if tree else mode, SAMPLING_RUNS, SAMPLING_TREE_NODES if tree else 0)
+    engine_mode = "sd" if tree else mode.removesuffix("-levers")
+    pairs, reused = generate_many(sampling_models, engine_mode, SAMPLING_RUNS, SAMPLING_TREE_NODES if tree else 0,
+                                  LEVERS if mode.endswith("-levers") else None)
     p_first, p_joint = sampling_p_values(sampling_models, pairs)
     print(f"\n{mode}: p(first) = {p_first:.3g}, p(first two) = {p_joint:.3g}, reused windows {len(reused)}/{SAMPLING_RUNS}")
     assert p_first > SAMPLING_ALPHA and p_joint > SAMPLING_ALPHA

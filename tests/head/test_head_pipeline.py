@@ -10,47 +10,21 @@ truncated away by the next window's commit (exactness would break otherwise).
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import pytest
 import torch
 import trio
 from support.models import hf_greedy, make_tiny_model, noisy_copy
+from support.slow_local import TRIP_S, SlowLocal
 from transformers import AutoModelForCausalLM
 
 from dsd.node.head.config import GenerationConfig
 from dsd.node.head.drafters import ModelDrafter
 from dsd.node.head.engine import HeadEngine
-from dsd.node.head.local import LocalBackend
 from dsd.node.head.sampling import SamplingParams
 from dsd.shard_store import Store
 
 PROMPTS = [[1, 17, 42, 99, 5, 17, 42], [1, 250, 3, 3, 3, 3, 8, 9, 10, 11, 12]]
-TRIP_S = 0.25
-
-
-class SlowLocal(LocalBackend):
-    """LocalBackend whose results arrive `trip_s` after their window was sent; counts windows sent."""
-
-    def __init__(self, *args, trip_s: float = TRIP_S, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.trip_s = trip_s
-        self._due: deque[tuple[int, float]] = deque()
-        self.sent = 0
-        self.most_in_flight = 0
-
-    async def submit(self, tokens, *, start, commit, epoch, parents=None, keep=None) -> None:
-        await super().submit(tokens, start=start, commit=commit, epoch=epoch, parents=parents, keep=keep)
-        self._due.append((epoch, trio.current_time() + self.trip_s))
-        self.sent += 1
-        self.most_in_flight = max(self.most_in_flight, len(self._due))
-
-    async def collect(self, *, epoch: int, rows: int) -> torch.Tensor:
-        while self._due and self._due[0][0] < epoch:
-            self._due.popleft()
-        await trio.sleep_until(self._due[0][1])
-        self._due.popleft()
-        return await super().collect(epoch=epoch, rows=rows)
 
 
 def _reference(hf_dir, prompt: list[int], n: int) -> list[int]:
