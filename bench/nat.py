@@ -4,6 +4,9 @@ Three placements of the same swarm (a public bootstrap node and a second relay; 
 - `public`: every machine on the "internet" bridge, dialled directly;
 - `nat`: the peers and the head each behind a port-preserving home NAT: relayed first, then hole-punched;
 - `symmetric`: the same behind `--random-fully` NATs: punches fail, every leg stays relayed.
+Each over the transports asked (`--transports tcp,quic`): every machine of a swarm listens on that one only
+(`/tcp/4001` or `/udp/4001/quic-v1`), so relays, punches and windows all take it; a QUIC placement is keyed
+`quic/<placement>` and compared with the same placement over TCP, paired by prompt.
 
 Per placement: round trips from a fresh head to each peer (a ping, and a ping carrying a window's hidden states),
 labelled by the link they took (direct, relayed, hole-punched); the punches the heads tried (success, seconds);
@@ -41,8 +44,19 @@ from harness import (
 from soak import PROBLEMS, load_models
 
 PLACEMENTS = ("public", "nat", "symmetric")
+TRANSPORTS = ("tcp", "quic")
 PORT = 4001
 WINDOW_BYTES = 8 * 1536 * 4  # a window of 8 tokens of the real target's hidden states in float32
+
+
+def listen_addr(ip: str, transport: str) -> str:
+    """Where a machine of a `transport` swarm listens (its one address)."""
+    return f"/ip4/{ip}/tcp/{PORT}" if transport == "tcp" else f"/ip4/{ip}/udp/{PORT}/quic-v1"
+
+
+def placement_key(transport: str, kind: str) -> str:
+    """A placement's key in the results: `nat` over TCP (as before QUIC was measured), `quic/nat` over QUIC."""
+    return kind if transport == "tcp" else f"{transport}/{kind}"
 
 
 def percentiles(xs: Sequence[float]) -> dict[str, float] | None:
@@ -64,6 +78,7 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
     from dsd.node.peer.shaper import LinkProfile
 
     samples: list[dict[str, Any]] = []
+    unfinished: list[dict[str, Any]] = []  # punches still running when the probe stopped waiting: counted as failed
     async with head_node([args.bootstrap], LinkProfile.from_options(args.latency_ms), listen=[args.listen]) as (
         node, _legs
     ):
@@ -81,6 +96,8 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
                     with trio.move_on_after(args.settle_s):
                         while node.nat is not None and node.nat.punching(rec.peer_id):
                             await trio.sleep(0.2)
+                    if node.nat is not None and node.nat.punching(rec.peer_id):
+                        unfinished.append({"peer": rec.peer_id, "ok": False, "seconds": None, "unfinished": True})
                 for size in (0, WINDOW_BYTES):
                     for _ in range(args.pings):
                         kind = node.link_kind(rec.peer_id)
@@ -89,6 +106,7 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
                         samples.append({"peer": rec.peer_id, "phase": phase, "bytes": size, "link": kind,
                                         "rtt_s": rtt, "connect_s": connect_s})
         punches = list(node.nat.punches) if node.nat is not None else []
+        punches += [u for u in unfinished if u["peer"] not in {p["peer"] for p in punches}]
     return {"samples": samples, "punches": punches}
 
 
@@ -111,10 +129,10 @@ def probe_main(argv: Sequence[str]) -> int:
 class Placement:
     """One swarm in a fresh testbed: machines placed as `kind` says; daemons up once `__enter__` returns."""
 
-    def __init__(self, kind: str, args: argparse.Namespace, models: Any, state: Path) -> None:
+    def __init__(self, kind: str, args: argparse.Namespace, models: Any, state: Path, transport: str = "tcp") -> None:
         from dsd.node.testnet.nat_testbed import NatTestbed
 
-        self.kind, self.args, self.models, self.state = kind, args, models, state
+        self.kind, self.args, self.models, self.state, self.transport = kind, args, models, state, transport
         self.tb = NatTestbed()
         self.procs: list[Any] = []
 
@@ -128,7 +146,7 @@ class Placement:
 
         host = self.tb.hosts[name]
         ready = self.state / f"{name}.json"
-        proc = spawn(name, ["start", "--listen", f"/ip4/{host.ip}/tcp/{PORT}", "--identity",
+        proc = spawn(name, ["start", "--listen", listen_addr(host.ip, self.transport), "--identity",
                             str(self.state / f"{name}.key"), "--ready-file", str(ready),
                             "--wan-latency-ms", str(self.args.latency_ms), *args], self.state, netns=host.netns)
         self.procs.append(proc)
@@ -156,7 +174,7 @@ class Placement:
         self.tb.close()
 
     def head_listen(self) -> list[str]:
-        return ["--listen", f"/ip4/{self.tb.hosts['head'].ip}/tcp/{PORT}"]
+        return ["--listen", listen_addr(self.tb.hosts["head"].ip, self.transport)]
 
     def in_head(self) -> list[str]:
         return ["ip", "netns", "exec", self.tb.hosts["head"].netns]
@@ -204,25 +222,36 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         rtts[kind] = {k: percentiles(v) for k, v in sorted(by.items())}
         tried = [p for probe in data["punch_trials"] for p in probe]
         ok = [p["seconds"] for p in tried if p["ok"]]
-        failed = [p["seconds"] for p in tried if not p["ok"]]
+        failed = [p["seconds"] for p in tried if not p["ok"] and p["seconds"] is not None]
         punches[kind] = {"tried": len(tried), "succeeded": len(ok), "seconds_ok": percentiles(ok),
-                         "seconds_failed": percentiles(failed)}
+                         "seconds_failed": percentiles(failed),
+                         "unfinished": sum(1 for p in tried if p.get("unfinished"))}
         rates = [g["tokens_per_s"] for g in data["generations"] if g["ok"]]
         toks[kind] = {"generations": len(data["generations"]), "ok": len(rates),
                       "tokens_per_s_median": round(statistics.median(rates), 3) if rates else None,
                       "tokens_per_s_range": [round(min(rates), 3), round(max(rates), 3)] if rates else None}
-    ref = {(g["problem"], g["rep"]): g["tokens"] for g in result["placements"].get("public", {}).get("generations", [])}
-    same = [g["tokens"] == ref.get((g["problem"], g["rep"])) for d in result["placements"].values()
+    placements = result["placements"]
+    first = "public" if "public" in placements else next(iter(placements), "public")
+    ref = {(g["problem"], g["rep"]): g["tokens"] for g in placements.get(first, {}).get("generations", [])}
+    same = [g["tokens"] == ref.get((g["problem"], g["rep"])) for d in placements.values()
             for g in d["generations"] if (g["problem"], g["rep"]) in ref]
-    public = {(g["problem"], g["rep"]): g for g in result["placements"].get("public", {}).get("generations", [])
-              if g["ok"]}
     for kind, t in toks.items():  # paired by prompt and repetition: prompts differ far more than placements do
-        ratios = [g["tokens_per_s"] / public[(g["problem"], g["rep"])]["tokens_per_s"]
-                  for g in result["placements"][kind]["generations"] if g["ok"] and (g["problem"], g["rep"]) in public]
-        t["vs_public_paired"] = None if not ratios else {
-            "n": len(ratios), "median": round(statistics.median(ratios), 3),
-            "range": [round(min(ratios), 3), round(max(ratios), 3)]}
+        transport = kind.split("/")[0] if "/" in kind else "tcp"
+        t["vs_public_paired"] = _paired(placements, kind, placement_key(transport, "public"))
+        if transport != "tcp":
+            t["vs_tcp_paired"] = _paired(placements, kind, kind.split("/", 1)[1])
     return {"rtt": rtts, "punches": punches, "dsd": toks, "tokens_equal_to_public": f"{sum(same)}/{len(same)}"}
+
+
+def _paired(placements: dict[str, Any], kind: str, base: str) -> dict[str, Any] | None:
+    """tok/s of placement `kind` over placement `base`, paired by prompt and repetition (None without pairs)."""
+    ref = {(g["problem"], g["rep"]): g for g in placements.get(base, {}).get("generations", []) if g["ok"]}
+    ratios = [g["tokens_per_s"] / ref[(g["problem"], g["rep"])]["tokens_per_s"]
+              for g in placements[kind]["generations"] if g["ok"] and (g["problem"], g["rep"]) in ref]
+    if not ratios:
+        return None
+    return {"n": len(ratios), "median": round(statistics.median(ratios), 3),
+            "range": [round(min(ratios), 3), round(max(ratios), 3)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pings", type=int, default=10, help="round trips per peer, size and phase in each probe")
     p.add_argument("--punch-trials", type=int, default=5, help="fresh heads that dial both peers (nat, symmetric)")
     p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--transports", default="tcp", help=f"comma-separated of {', '.join(TRANSPORTS)}: each placement "
+                   "once per transport, every machine listening on that one only (default tcp)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -251,15 +282,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     placements = [k for k in args.placements.split(",") if k]
     if any(k not in PLACEMENTS for k in placements):
         p.error(f"--placements takes {', '.join(PLACEMENTS)}")
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        p.error(f"--transports takes {', '.join(TRANSPORTS)}")
     out = args.out or RESULTS_DIR / f"nat-{args.models}-{today()}.json"
     with tempfile.TemporaryDirectory(prefix="dsd-nat-") as work:
         models = load_models(args.models, Path(work))
         result: dict[str, Any] = {**run_metadata("nat", args), "command": command_line("nat.py", argv),
                                   "load_before": os.getloadavg()[0], "placements": {}}
-        for kind in placements:
-            state = Path(work) / kind
+        for transport, kind in ((t, k) for t in transports for k in placements):
+            key = placement_key(transport, kind)
+            state = Path(work) / key.replace("/", "-")
             state.mkdir()
-            with Placement(kind, args, models, state) as placement:
+            with Placement(kind, args, models, state, transport) as placement:
                 data: dict[str, Any] = {"probes": placement.probe(), "punch_trials": [], "generations": []}
                 if kind != "public":
                     for _ in range(args.punch_trials):
@@ -268,9 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for problem in PROBLEMS:
                         run = placement.generate(models.prompts[problem])
                         data["generations"].append({"problem": problem, "rep": rep, **run})
-                        print(f"{kind} problem {problem} rep {rep}: {run.get('tokens_per_s')} tok/s {run.get('links')}",
+                        print(f"{key} problem {problem} rep {rep}: {run.get('tokens_per_s')} tok/s {run.get('links')}",
                               file=sys.stderr, flush=True)
-                result["placements"][kind] = data
+                result["placements"][key] = data
                 result["load_after"] = os.getloadavg()[0]
                 result["summary"] = summarize(result)
                 write_json(out, result)

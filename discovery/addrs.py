@@ -1,5 +1,6 @@
-"""Multiaddrs as the swarm uses them: splitting off the peer id, telling circuit addresses from direct ones, and
-choosing what a peer may announce (never 0.0.0.0, which every dialer tries in vain)."""
+"""Multiaddrs as the swarm uses them: splitting off the peer id, telling circuit addresses from direct ones, TCP
+from QUIC ones (and which to dial first), and choosing what a peer may announce (never 0.0.0.0, which every dialer
+tries in vain)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import multiaddr
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 CIRCUIT = "/p2p-circuit"
+QUIC = "/quic-v1"
 
 
 def split_addr(addr: str) -> tuple[multiaddr.Multiaddr, str | None]:
@@ -53,9 +55,43 @@ def _has(ma: multiaddr.Multiaddr, proto: str) -> bool:
     return any(p.name == proto for p in ma.protocols())
 
 
+def is_quic(addr: str) -> bool:
+    """A direct QUIC address (`/ip4/…/udp/PORT/quic-v1`; py-libp2p names an inbound connection's `…/quic`)."""
+    return not is_circuit(addr) and (QUIC in addr or addr.endswith("/quic") or "/quic/" in addr)
+
+
+def quic_twin(addr: str) -> str | None:
+    """The QUIC listen address beside a TCP one: the same IP, the same port number (UDP's own; 0 stays 0)."""
+    end = tcp_endpoint(split_addr(addr)[0])
+    if end is None:
+        return None
+    family = "ip6" if ":" in end[0] else "ip4"
+    return f"/{family}/{end[0]}/udp/{end[1]}/quic-v1"
+
+
+def with_quic(listen: Iterable[str]) -> list[str]:
+    """`listen` plus the QUIC twin of each TCP address in it (a peer reachable over both transports)."""
+    out = list(listen)
+    for addr in list(out):
+        twin = quic_twin(addr)
+        if twin is not None and twin not in out:
+            out.append(twin)
+    return out
+
+
+def dial_order(addrs: Iterable[multiaddr.Multiaddr]) -> tuple[list[multiaddr.Multiaddr], list[multiaddr.Multiaddr]]:
+    """(first, fallback): the TCP (and any other non-QUIC) addresses are dialled first and the QUIC ones only when
+    those fail — py-libp2p's QUIC (aioquic, pure Python) costs a hidden state's trip several times TCP's CPU — or
+    QUIC first when it is all there is."""
+    addrs = list(addrs)
+    quic = [a for a in addrs if is_quic(str(a))]
+    other = [a for a in addrs if not is_quic(str(a))]
+    return (other, quic) if other else (quic, [])
+
+
 def is_unspecified(ma: multiaddr.Multiaddr) -> bool:
-    end = tcp_endpoint(ma)
-    return end is not None and ipaddress.ip_address(end[0]).is_unspecified
+    ip = next((ma.value_for_protocol(p) for p in ("ip4", "ip6") if _has(ma, p)), None)
+    return ip is not None and ipaddress.ip_address(ip).is_unspecified
 
 
 def source_ip_toward(addrs: Iterable[str]) -> str | None:
@@ -82,7 +118,7 @@ def announceable(listen: Iterable[multiaddr.Multiaddr], peer_id: str, toward: It
     out: list[str] = []
     for ma in listen:
         text = str(ma)
-        if is_unspecified(ma):
+        if is_unspecified(ma) and text.startswith("/ip4/"):
             ip = source_ip_toward(toward) or "127.0.0.1"
             text = text.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1)
         full = text if "/p2p/" in text else f"{text}/p2p/{peer_id}"

@@ -1,4 +1,8 @@
-"""P2PNode: one py-libp2p host (TCP, noise, yamux) with a Kademlia DHT in server mode and dsd's record store.
+"""P2PNode: one py-libp2p host (TCP with noise and yamux; QUIC beside it when it listens on a `/udp/…/quic-v1`
+address) with a Kademlia DHT in server mode and dsd's record store.
+
+Dialling a peer that announced both transports, the node tries TCP first and QUIC only when TCP does not get
+through (`addrs.dial_order`): py-libp2p would rank QUIC first, and dials one address per transport.
 
 Run it as an async context manager inside the caller's trio code. It connects to the
 bootstrap peers, seeds the routing table from them, stores signed discovery records
@@ -32,7 +36,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from dsd.protocol.ids import RECORDS_PROTOCOL
 
 from . import libp2p_logs  # noqa: F401  (hides py-libp2p's churn messages)
-from .addrs import announceable, is_circuit, split_addr
+from .addrs import announceable, dial_order, is_circuit, is_quic, split_addr
 from .dht import ServersOnlyDHT
 from .framing import FramedStream, LinkError
 from .identity import peer_id_of
@@ -48,6 +52,7 @@ StreamWrapper = Callable[[Any], Any]
 
 
 CONNECT_TIMEOUT_S = 5.0
+TCP_FIRST_S = 2.0  # how long TCP has to connect before QUIC is tried, where a peer announced both (several RTTs)
 CLOSE_TIMEOUT_S = 2.0
 MAINTENANCE_INTERVAL_S = 15.0
 STORE_GC_INTERVAL_S = 1.0
@@ -80,6 +85,8 @@ class P2PNode:
         self.key_pair = key_pair
         self.peer_id: str = peer_id_of(key_pair)
         self.listen_addrs = [split_addr(a)[0] for a in listen_addrs]
+        # py-libp2p builds its transports from the listen addresses: a node dials QUIC only if it listens on it too
+        self.quic = any(is_quic(str(a)) for a in self.listen_addrs)
         self.bootstrap = list(bootstrap)
         for b in self.bootstrap:
             if split_addr(b)[1] is None:
@@ -96,6 +103,7 @@ class P2PNode:
         self.dht: ServersOnlyDHT | None = None
         self._running: AsyncExitStack | None = None
         self._handlers: dict[str, Handler] = {}
+        self._fallback_addrs: dict[ID, list[multiaddr.Multiaddr]] = {}  # QUIC addresses tried when TCP fails
 
     def _allowed_signers(self) -> set[str] | None:
         """In a private swarm, records signed by anyone but the allowed peers (and us) are refused."""
@@ -222,11 +230,15 @@ class P2PNode:
         return "unknown" if self.nat is None else self.nat.reachability
 
     def link_kind(self, peer_id: str, stream: FramedStream | None = None) -> str | None:
-        """How streams to `peer_id` (or `stream`, one of them) travel: direct | hole-punched | relayed; None when
-        not connected."""
+        """How streams to `peer_id` (or `stream`, one of them) travel: direct | hole-punched | relayed, with `+quic`
+        when the connection is QUIC; None when not connected."""
         if self.nat is not None:
-            return self.nat.link_kind(peer_id, None if stream is None else stream.stream)
-        return "direct" if self._connections(ID.from_base58(peer_id))[1] else None
+            kind = self.nat.link_kind(peer_id, None if stream is None else stream.stream)
+        else:
+            kind = "direct" if self._connections(ID.from_base58(peer_id))[1] else None
+        if kind is not None and kind != "relayed" and self.quic and self.transport_to(peer_id) == "quic":
+            kind += "+quic"
+        return kind
 
     # --- joining the DHT -------------------------------------------------------
 
@@ -359,16 +371,26 @@ class P2PNode:
             if embedded is not None and embedded != peer_id:
                 raise ValueError(f"address {a} belongs to {embedded}, not {peer_id}")
             mas.append(ma)
+        if not self.quic and any(is_quic(str(a)) for a in mas):
+            mas = [a for a in mas if not is_quic(str(a))]
+            if not mas:
+                raise ConnectionError(f"{peer_id} is reachable only over QUIC, and this node does not run it (--quic on)")
         if mas:  # the signed record's addresses replace what identify or the DHT told: the swarm dials the first
-            store = self.host.get_peerstore()
-            try:
-                known = {str(a) for a in store.addrs(pid)}
-            except PeerStoreError:  # never seen (or expired)
-                known = set()
-            if known != {str(a) for a in mas}:
-                store.clear_addrs(pid)
-                store.add_addrs(pid, mas, 0)
+            first, fallback = dial_order(mas)
+            self._fallback_addrs[pid] = fallback
+            self._set_addrs(pid, first)
         return pid
+
+    def _set_addrs(self, pid: ID, mas: Sequence[multiaddr.Multiaddr]) -> None:
+        """Make `mas` the addresses the swarm dials `pid` at (a no-op when they already are)."""
+        store = self.host.get_peerstore()
+        try:
+            known = {str(a) for a in store.addrs(pid)}
+        except PeerStoreError:  # never seen (or expired)
+            known = set()
+        if known != {str(a) for a in mas}:
+            store.clear_addrs(pid)
+            store.add_addrs(pid, list(mas), 0)
 
     async def open_raw(self, peer_id: str, addrs: Sequence[str], protocol_id: str) -> Any:
         """A new libp2p stream to `peer_id` (dialling `addrs` if not connected), through stream_wrapper.
@@ -381,8 +403,7 @@ class P2PNode:
             raise ValueError("cannot open a stream to ourselves")
         pid = self._remember(peer_id, addrs)
         try:
-            if any(is_circuit(a) for a in addrs):  # else the swarm dials (and redials broken connections) itself
-                await self.connect(peer_id, addrs, pid)
+            await self.connect(peer_id, addrs, pid)  # a no-op when connected; the swarm redials broken connections
             stream = await self._new_stream(pid, protocol_id)
         except Exception as exc:  # dial failures, refused protocols, resets during negotiation
             raise LinkError(f"cannot open {protocol_id} to {peer_id}: {exc!r}") from exc
@@ -417,12 +438,51 @@ class P2PNode:
         if self._connections(pid)[1]:
             return
         if not any(is_circuit(a) for a in addrs):
-            with trio.fail_after(CONNECT_TIMEOUT_S):
-                await self.host.connect(PeerInfo(pid, self.host.get_peerstore().addrs(pid)))
+            await self._dial_direct(peer_id, pid)
         elif self.nat is None:
             raise ConnectionError(f"{peer_id} is reachable only through a relay, and this node runs no relay client")
         else:
             await self.nat.dial(pid, addrs)
+
+    async def _dial_direct(self, peer_id: str, pid: ID) -> None:
+        """Dial `pid` at its first-choice addresses (TCP), then, if that fails, at its QUIC ones: a network that
+        drops one transport (a firewall, a NAT that punches only UDP, a blackholed path) still reaches it."""
+        try:
+            first = list(self.host.get_peerstore().addrs(pid))
+        except PeerStoreError:  # nothing known but QUIC addresses, or nothing at all
+            first = []
+        fallback = self._fallback_addrs.get(pid, [])
+        try:
+            with trio.fail_after(TCP_FIRST_S if fallback else CONNECT_TIMEOUT_S):
+                await self.host.connect(PeerInfo(pid, first))
+            return
+        except Exception as exc:
+            if not fallback:
+                raise
+            log.info("dialling %s over %s failed (%r): trying QUIC at %s", peer_id,
+                     ", ".join(str(a) for a in first) or "no address", exc, ", ".join(map(str, fallback)))
+        self._set_addrs(pid, fallback)
+        self.host.get_network().unblock_peer(pid)  # the failed TCP dial put it in py-libp2p's negative cache
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                await self.host.connect(PeerInfo(pid, fallback))
+        finally:
+            self._set_addrs(pid, first)  # the next dial tries TCP first again
+        log.info("connected to %s over QUIC", peer_id)
+
+    def transport_to(self, peer_id: str) -> str | None:
+        """The transport of the open connection to `peer_id`: tcp | quic | relayed; None when not connected."""
+        for conn in self.host.get_network().get_connections(ID.from_base58(peer_id)):
+            if conn.is_closed:
+                continue
+            try:
+                addrs = [str(a) for a in conn.muxed_conn.get_transport_addresses()]
+            except Exception:  # a connection that cannot say (relayed connections may not)
+                addrs = []
+            if any(is_circuit(a) for a in addrs):
+                return "relayed"
+            return "quic" if any(is_quic(a) for a in addrs) else "tcp"
+        return None
 
     def _connections(self, pid: ID) -> tuple[int, int]:
         """How many connections the swarm holds to `pid`, and how many of them are still open."""
@@ -448,6 +508,15 @@ class P2PNode:
     async def get_records(self, key: bytes) -> list[bytes]:
         """Every signed record under `key` held here or by the closest live nodes (`RecordClient.get`)."""
         return await RecordClient(self).get(key)
+
+    def connected(self, peer_id: str) -> bool:
+        """Whether an open connection to `peer_id` is held (as far as py-libp2p knows)."""
+        return self.host is not None and self._connections(ID.from_base58(peer_id))[1] > 0
+
+    async def hang_up(self, peer_id: str) -> None:
+        """Close every connection to `peer_id` (best effort): the next stream dials it afresh, TCP first."""
+        with trio.move_on_after(CLOSE_TIMEOUT_S):
+            await _quiet(self.host.disconnect(ID.from_base58(peer_id)))
 
     async def forget_peer(self, peer_id: str) -> None:
         """Drop a peer found unresponsive from the routing table and close its connections (best effort)."""

@@ -33,7 +33,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from .addrs import circuit_addr, is_circuit, split_addr, tcp_endpoint
+from .addrs import circuit_addr, is_circuit, is_quic, split_addr, tcp_endpoint
 from .portmap import PortMapper
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ MIN_RELAYS = 2  # a private peer keeps slots on this many relays, so losing one 
 AUTONAT_SERVERS = 3  # dial-backs asked for; the verdict is the majority of those that answered
 DIAL_BACK_TIMEOUT_S = 3.0
 DIAL_TIMEOUT_S = 8.0
+PUNCH_TIMEOUT_S = 40.0  # a failed TCP punch ends in ~22 s; one still running after this is given up (DCUtR may hang)
 RELAY_IDLE_CHECK_S = 5.0
 
 
@@ -85,16 +86,21 @@ class CircuitRelay(CircuitV2Protocol):
 
 
 class HonestAutoNAT(AutoNATService):
-    """AutoNAT v1 whose dial-back opens a new TCP connection to the address asked about.
+    """AutoNAT v1 whose dial-back opens a new connection to the address asked about (TCP, or QUIC for a QUIC address).
 
     py-libp2p's server "dials" with `host.connect`, which returns at once over the connection the request
-    came on, so it proves nothing; a fresh TCP handshake from here proves the port takes connections from
-    outside. The server still only dials addresses at the requester's observed IP (the spec's amplification rule),
+    came on, so it proves nothing; a fresh TCP handshake (or QUIC connection) from here proves the port takes
+    connections from outside. The server still only dials addresses at the requester's observed IP (the spec's amplification rule),
     so a peer behind a NAT, which announces its LAN address, gets a refusal: not reachable at what it announces."""
 
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         for raw in addrs:
-            end = tcp_endpoint(multiaddr.Multiaddr(raw))
+            ma = multiaddr.Multiaddr(raw)
+            if is_quic(str(ma)):
+                if await self._quic_dial_back(peer_id, ma):
+                    return bytes(raw)
+                continue
+            end = tcp_endpoint(ma)
             if end is None:
                 continue
             try:
@@ -105,6 +111,20 @@ class HonestAutoNAT(AutoNATService):
             except (OSError, trio.TooSlowError):
                 continue
         return None
+
+
+    async def _quic_dial_back(self, peer_id: ID, ma: multiaddr.Multiaddr) -> bool:
+        """A fresh QUIC connection to `ma` (a new handshake from here, not the connection the request came on), closed
+        at once: True if the peer answered there. Needs this node to run QUIC (listen on a QUIC address)."""
+        try:
+            with trio.fail_after(DIAL_BACK_TIMEOUT_S):
+                conn = await self.host.get_network().dial_addr(ma, peer_id)
+        except Exception as exc:
+            log.debug("AutoNAT: QUIC dial-back to %s failed: %r", ma, exc)
+            return False
+        with trio.move_on_after(DIAL_BACK_TIMEOUT_S):
+            await conn.close()
+        return True
 
 
 class PatientDCUtR(DCUtRProtocol):
@@ -347,11 +367,14 @@ class NatTraversal:
 
     async def _punch(self, pid: ID) -> None:
         started = trio.current_time()
+        ok = False
         try:
-            ok = await self.dcutr.initiate_hole_punch(pid)
+            with trio.move_on_after(PUNCH_TIMEOUT_S) as scope:
+                ok = await self.dcutr.initiate_hole_punch(pid)
+            if scope.cancelled_caught:
+                log.info("hole punch to %s still unfinished after %.0f s: given up", pid, PUNCH_TIMEOUT_S)
         except Exception as exc:
             log.debug("hole punch to %s failed: %r", pid, exc)
-            ok = False
         seconds = trio.current_time() - started
         self.punches.append({"peer": pid.to_base58(), "ok": bool(ok), "seconds": round(seconds, 3)})
         log.info("hole punch to %s %s after %.1f s", pid, "succeeded" if ok else "failed (staying relayed)", seconds)

@@ -18,12 +18,14 @@ from dsd.node.server.limits import (
 
 from .options import (
     DEFAULT_IDENTITY,
+    DEFAULT_LISTEN,
     add_codec_options,
     add_device_options,
     add_listen_option,
     add_wan_options,
     add_weights_option,
     link_profile,
+    listen_addrs,
     read_allow_list,
     wire_format,
 )
@@ -184,7 +186,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         return 2
     cfg = DaemonConfig(
         identity=args.identity,
-        listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+        listen=listen_addrs(args) or [DEFAULT_LISTEN],
         bootstrap=args.bootstrap,
         store=None if args.bootstrap_only else args.store,
         fetch=fetch_request(args) if args.model else None,
@@ -265,7 +267,7 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
     async def main() -> dict:
-        async with head_node(args.bootstrap, link_profile(args), listen=args.listen) as (node, _legs):
+        async with head_node(args.bootstrap, link_profile(args), listen=listen_addrs(args)) as (node, _legs):
             num_layers = args.num_layers
             if num_layers is None:
                 recs = await fetch_records(node, args.model, 0)

@@ -23,6 +23,7 @@ from .options import (
     deadline_rule,
     fail,
     link_profile,
+    listen_addrs,
     pin_head_process,
     wire_format,
 )
@@ -196,7 +197,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         report = trio.run(lambda: generate_from_fresh_head(
             args.bootstrap, link_profile(args), setup, prompt, cfg, seed=args.seed, tokenizer=tokenizer,
-            on_tokens=on_tokens, target=target, listen=args.listen, audit=audit,
+            on_tokens=on_tokens, target=target, listen=listen_addrs(args), audit=audit,
         ))
     except GenerationFailed as exc:
         failure = exc.failure

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsd.discovery.addrs import with_quic
 from dsd.node.peer.cpus import parse_cpus, pin_head
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.audit_rules import AUDIT_TOLERANCES, DEFAULT_AUDIT_RATE
@@ -86,8 +87,19 @@ def add_weights_option(p: argparse.ArgumentParser, whose: str) -> None:
                    "4-bit blocks as they are; embeddings and lm_head stay in the dtype (default auto)")
 
 
+DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
 def add_listen_option(p: argparse.ArgumentParser, whose: str) -> None:
-    p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help=f"{whose} listen address (default /ip4/127.0.0.1/tcp/0; behind a NAT, the LAN address lets hole punching reuse its port)")
+    p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR", help=f"{whose} listen address (default {DEFAULT_LISTEN}; behind a NAT, the LAN address lets hole punching reuse its port)")
+    p.add_argument("--quic", choices=("on", "off"), default="off", help="also listen on QUIC (UDP) beside each TCP listen address, at the same IP and port number, and announce both: others dial TCP first and QUIC where TCP does not get through (a firewall or NAT that passes only UDP); QUIC costs more CPU per byte here (py-libp2p's aioquic is pure Python) (default off)")
+
+
+def listen_addrs(args: argparse.Namespace) -> list[str] | None:
+    """The listen addresses `--listen` and `--quic` ask for (None: the role's default, TCP on loopback)."""
+    if args.quic != "on":
+        return args.listen
+    return with_quic(args.listen or [DEFAULT_LISTEN])
 
 
 def add_head_options(p: argparse.ArgumentParser, store_help: str) -> None:

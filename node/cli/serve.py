@@ -31,6 +31,7 @@ from .options import (
     deadline_rule,
     fail,
     link_profile,
+    listen_addrs,
     pin_head_process,
 )
 from .store import add_fetch_options, fetched_store
@@ -120,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         bootstrap=args.bootstrap, head=head, host=args.host, port=args.port, max_concurrent=args.max_concurrent,
         queue=args.queue, max_per_client=args.max_per_client, api_keys=api_keys, link=link_profile(args),
-        identity=args.identity, listen=args.listen, refresh_s=args.refresh, ready_file=args.ready_file,
+        identity=args.identity, listen=listen_addrs(args), refresh_s=args.refresh, ready_file=args.ready_file,
         limits=HttpLimits(max_body_bytes=int(args.max_body_mb * 2**20), body_timeout_s=args.body_timeout),
     )
     try:

@@ -34,16 +34,29 @@ log = logging.getLogger(__name__)
 
 
 async def ping_hops(node: P2PNode, hops: Sequence[Hop], timeouts: Mapping[str, float]) -> list[str]:
-    """The distinct peers of `hops` (in route order) that do not answer one ping within their timeout."""
+    """The distinct peers of `hops` (in route order) that do not answer one ping within their timeout, over the open
+    connection nor, when there was one, over a new one dialled after hanging it up."""
     peers = {h.peer_id: h for h in hops}
     silent: set[str] = set()
 
     async def one(hop: Hop) -> None:
+        timeout = timeouts.get(hop.peer_id, 3.0)
+        held = node.connected(hop.peer_id)
         try:
-            await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeouts.get(hop.peer_id, 3.0))
+            await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
+            return
         except Exception as exc:  # timeout, reset, refused
             log.info("hop %s did not answer a ping: %r", short(hop.peer_id), exc)
-            silent.add(hop.peer_id)
+        if held:  # the connection may be what died (a blackholed path, a NAT that forgot it): dial afresh once
+            await node.hang_up(hop.peer_id)
+            try:
+                await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
+                log.warning("hop %s answers on a new connection (%s): the old one had died", short(hop.peer_id),
+                            node.transport_to(hop.peer_id))
+                return
+            except Exception as exc:
+                log.info("hop %s did not answer on a new connection either: %r", short(hop.peer_id), exc)
+        silent.add(hop.peer_id)
 
     async with trio.open_nursery() as nursery:
         for hop in peers.values():

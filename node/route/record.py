@@ -19,7 +19,7 @@ class RingHop:
     start: int
     end: int
     local: bool = False
-    link: str | None = None  # how the leg into this hop travels: direct | relayed | hole-punched (None: unknown)
+    link: str | None = None  # how the leg into this hop travels: direct | relayed | hole-punched, +quic over QUIC
 
     def as_dict(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "start": self.start, "end": self.end, "local": self.local, "link": self.link}

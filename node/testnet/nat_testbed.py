@@ -112,6 +112,10 @@ class NatTestbed:
         self.hosts[name] = Host(name, ns, ip, True)
         return self.hosts[name]
 
+    def firewall(self, name: str, *rule: str) -> None:
+        """Run `iptables RULE` in machine `name`'s own namespace (a filter of its own: drop a transport, a path)."""
+        _sh("ip", "netns", "exec", self.hosts[name].netns, "iptables", *rule)
+
     def home(self, name: str, *, symmetric: bool = False, upnp: str | None = None) -> Host:
         """A machine behind its own home router (port-preserving MASQUERADE, or `--random-fully` if symmetric), the
         router running a UPnP gateway when `upnp` names one of `UPNP_MODES`."""

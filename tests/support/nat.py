@@ -62,10 +62,11 @@ def swarm_on(tb: NatTestbed, state: Path) -> Iterator[NatSwarm]:
         swarm.stop()
 
 
-def generate(swarm: NatSwarm, boot: str, store: Path, prompt: list[int], n: int = 16) -> dict:
-    """`generate --json` (dsd, ngram drafts) from the head's machine; its report."""
+def generate(swarm: NatSwarm, boot: str, store: Path, prompt: list[int], n: int = 16, *args: str) -> dict:
+    """`generate --json` (dsd, ngram drafts) from the head's machine, with `args` besides; its report."""
     out = swarm.run("head", "generate", "--bootstrap", boot, "--store", str(store), "--draft", "ngram",
-                    "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n), "--mode", "dsd", "--json")
+                    "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(n), "--mode", "dsd", "--json",
+                    *args)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
