@@ -15,15 +15,13 @@ from typing import Any
 import numpy as np
 from sweep_provenance import set_apart_groups, stretches
 
+from dsd.node.head.levers import LEVERS as ENGINE_LEVERS
+from dsd.node.head.levers import lever_options as engine_lever_options
+
 # Issue 57's levers on dsd's ahead-of-verdict work, each a mode of its own (`dsd-levers`: all of them), and the
-# engine options each sets (node/head/config.py says what they do).
-LEVERS: dict[str, dict[str, Any]] = {
-    "-budget": {"budget": True},
-    "-trees": {"ready_trees": True},
-    "-deep": {"pipeline": 3, "deep_min": 0.6},
-    "-fallback": {"fallback": True},
-}
-LEVERS["-levers"] = {k: v for opts in LEVERS.values() for k, v in opts.items()}
+# engine options each sets (`dsd.node.head.levers`).
+LEVERS: dict[str, dict[str, Any]] = {f"-{name}": engine_lever_options([name]) for name in ENGINE_LEVERS}
+LEVERS["-levers"] = engine_lever_options(["all"])
 MODES = ("ar", "sd", "dsd", "dsd-adaptive", "sd-chain", "dsd-chain", "dsd-serial", "dsd-batched", "ar-shared",
          "sd-shared", "dsd-shared", *(f"dsd{suffix}" for suffix in LEVERS))
 # Paired ratios reported when both modes ran: the speedups, trees (the controller's choice) vs chains, the

@@ -24,6 +24,7 @@ from .options import (
     fail,
     link_profile,
     listen_addrs,
+    overlap_options,
     pin_head_process,
     wire_format,
 )
@@ -172,8 +173,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,
-            eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop), branches=args.branches,
-            pipeline=args.pipeline,
+            eos_ids=eos_ids(tokenizer, Store(args.store).manifest), stop_strings=tuple(args.stop),
+            **overlap_options(args),
             deadline=deadline_rule(args),
             tree_nodes=args.tree_nodes,
         )

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsd.discovery.addrs import with_quic
+from dsd.node.head.levers import LEVERS, lever_options
 from dsd.node.peer.cpus import parse_cpus, pin_head
 from dsd.node.peer.shaper import LinkProfile
 from dsd.node.route.audit_rules import AUDIT_TOLERANCES, DEFAULT_AUDIT_RATE
@@ -116,6 +117,13 @@ def add_overlap_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dsd overlap")
     g.add_argument("--branches", type=int, default=8, metavar="N", help="outcome branches pre-drafted during each trip besides full acceptance (default 8; 0 = only that guess)")
     g.add_argument("--pipeline", type=int, default=2, metavar="W", help="windows in flight at once: while one flies, the next goes out on the bet that it is wholly accepted (default 2; 1 = wait for each verdict; at most 4)")
+    g.add_argument("--levers", default="none", metavar="L[,L]", help=f"dsd's levers on its ahead-of-verdict work (docs/design.md): {', '.join(LEVERS)}, all or none (default none): budget = bets and branches only where their chance pays for their cost; trees = a ready chain gives way to a tree that pays more; deep = a third window while most bets win; fallback = decode as sd while working ahead does not pay")
+
+
+def overlap_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `GenerationConfig` options of `add_overlap_options` (ValueError for an unknown lever)."""
+    return {"branches": args.branches, "pipeline": args.pipeline,
+            **lever_options(args.levers.split(","), args.pipeline)}
 
 
 def add_deadline_options(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ from .options import (
     fail,
     link_profile,
     listen_addrs,
+    overlap_options,
     pin_head_process,
 )
 from .store import add_fetch_options, fetched_store
@@ -100,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens_default < 1 or (args.max_context is not None and args.max_context < 2):
         return fail("--max-tokens-default must be >= 1 and --max-context >= 2")
     try:  # what every request's generation would refuse, refused once at the start
-        GenerationConfig(mode=args.mode, branches=args.branches, pipeline=args.pipeline, gamma_max=args.gamma_max)
+        GenerationConfig(mode=args.mode, gamma_max=args.gamma_max, **overlap_options(args))
         audit = audit_options(args)
     except ValueError as exc:
         return fail(str(exc))
@@ -112,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.store = fetched_store(args, args.blocks)
     head = HeadOptions(
         store=args.store, draft=args.draft, blocks=args.blocks, placement=place, draft_quant=args.draft_quant,
-        mode=args.mode, branches=args.branches, pipeline=args.pipeline,
+        mode=args.mode, overlap=overlap_options(args),
         tree_nodes=args.tree_nodes, gamma_max=args.gamma_max, tau_max=args.tau_max,
         deadline=deadline_rule(args),
         max_context=args.max_context, default_max_tokens=args.max_tokens_default, audit=audit,

@@ -55,8 +55,7 @@ class HeadOptions:
     placement: Placement | None = None  # device and compute dtype (None: the CPU, the stores' dtypes)
     draft_quant: str = "none"
     mode: str = "dsd"
-    branches: int = 8
-    pipeline: int = 2
+    overlap: dict[str, Any] = field(default_factory=dict)  # dsd's branches, pipeline and levers (`overlap_options`)
     tree_nodes: int | None = None
     gamma_max: int = 16
     tau_max: float = 0.0  # dsd-adaptive only
@@ -169,7 +168,7 @@ class ServedModel:
         cfg = GenerationConfig(
             mode=opts.mode, max_new_tokens=max_tokens, params=params, gamma_max=opts.gamma_max,
             tau_max=opts.tau_max if opts.mode == "dsd-adaptive" else 0.0, seed=seed, eos_ids=self.eos_ids,
-            stop_strings=req.stop, branches=opts.branches, pipeline=opts.pipeline, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
+            stop_strings=req.stop, **opts.overlap, deadline=opts.deadline, tree_nodes=opts.tree_nodes,
             logprobs=req.logprobs,
         )
         if req.stop and self.tokenizer is None:

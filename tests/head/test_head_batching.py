@@ -239,7 +239,10 @@ def test_the_heads_own_span_steps_every_waiting_generations_window_at_once(tiny_
     for i, (prompt, got) in enumerate(zip(PROMPTS, together, strict=True)):
         want = generation(span, prompt, i)
         assert [g.shape for g in got] == [w.shape for w in want]
-        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True)), prompt
+        # A joint step's GEMMs have other shapes than one window's and round differently (2.4e-5 seen on an AMD EPYC):
+        # the span tests' tolerance for hidden states.
+        diffs = [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)]
+        assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True)), (prompt, diffs)
     assert joint.joiner.stats.calls == 3 * len(PROMPTS) and max(joint.joiner.stats.calls_per_run) >= 3
     assert (joint.start, joint.end) == (0, 2)  # the rest is the span's
 

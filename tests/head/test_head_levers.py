@@ -204,3 +204,16 @@ def test_every_lever_on_keeps_greedy_output_exact(tiny_qwen2_root, drafter_kind:
         result, backend = _run(store, drafter, prompt, 32, ahead_min=0.0, **LEVERS)
         assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 32), (drafter_kind, prompt)
         assert backend.sent == result.rounds + result.pipelined_wasted
+
+
+def test_levers_are_named_on_the_command_line_and_unknown_ones_refused() -> None:
+    from dsd.node.head.levers import lever_options
+
+    assert lever_options(["none"]) == {}
+    assert lever_options(["budget", "fallback"]) == {"budget": True, "fallback": True}
+    assert lever_options(["all"]) == {"budget": True, "ready_trees": True, "pipeline": 3, "deep_min": 0.6,
+                                      "fallback": True}
+    assert lever_options(["deep"], pipeline=4)["pipeline"] == 4  # a deeper pipeline asked for is kept
+    with pytest.raises(ValueError, match="unknown lever"):
+        lever_options(["budget", "turbo"])
+    GenerationConfig(**lever_options(["all"]))  # every lever's options are the engine's

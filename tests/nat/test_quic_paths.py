@@ -58,8 +58,14 @@ def test_quic_carries_a_route_where_tcp_is_filtered_and_tcp_takes_over_when_quic
         log = peer["log"]
         seen = len(Path(log).read_text())
         out: dict = {}
-        gen = threading.Thread(target=lambda: out.update(
-            generate(swarm, boot, store, PROMPT, n, "--quic", "on", "--wan-latency-ms", "150")))
+
+        def second() -> None:
+            try:
+                out.update(generate(swarm, boot, store, PROMPT, n, "--quic", "on", "--wan-latency-ms", "150"))
+            except AssertionError as exc:  # the generation failed: its stderr, for the assertion below
+                out["error"] = str(exc)
+
+        gen = threading.Thread(target=second)
         gen.start()
         _wait_for(log, "open from", 120, after=seen)
         time.sleep(1.0)
@@ -67,6 +73,7 @@ def test_quic_carries_a_route_where_tcp_is_filtered_and_tcp_takes_over_when_quic
         tb.firewall("peer", "-D", "INPUT", *NEW_TCP)
         gen.join(300)
         assert not gen.is_alive()
+        assert "error" not in out, out["error"]
         assert out["tokens"] == reference
         assert out["failovers"], out  # the route noticed, recovered, and replayed
         assert links(out)[0] == "direct", links(out)  # and ended on TCP
