@@ -7,7 +7,6 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsd.discovery.addrs import with_quic
 from dsd.node.head.levers import LEVERS, lever_options
 from dsd.node.peer.cpus import parse_cpus, pin_head
 from dsd.node.peer.shaper import LinkProfile
@@ -100,6 +99,8 @@ def listen_addrs(args: argparse.Namespace) -> list[str] | None:
     """The listen addresses `--listen` and `--quic` ask for (None: the role's default, TCP on loopback)."""
     if args.quic != "on":
         return args.listen
+    from dsd.discovery.addrs import with_quic  # here: `--help` and `testnet down` load no libp2p
+
     return with_quic(args.listen or [DEFAULT_LISTEN])
 
 

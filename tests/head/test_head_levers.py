@@ -200,9 +200,10 @@ def test_every_lever_on_keeps_greedy_output_exact(tiny_qwen2_root, drafter_kind:
     model = {"self": full, "noisy": noisy_copy(full, 0.1),
              "random": make_tiny_model("qwen2", seed=1234, layers=2)}[drafter_kind]
     drafter = ModelDrafter(model, SamplingParams())
+    n = 20 if drafter_kind == "random" else 32  # a random draft yields about a token a trip
     for prompt in PROMPTS:
-        result, backend = _run(store, drafter, prompt, 32, ahead_min=0.0, **LEVERS)
-        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, 32), (drafter_kind, prompt)
+        result, backend = _run(store, drafter, prompt, n, ahead_min=0.0, **LEVERS)
+        assert result.tokens == _reference(tiny_qwen2_root / "hf", prompt, n), (drafter_kind, prompt)
         assert backend.sent == result.rounds + result.pipelined_wasted
 
 
