@@ -374,7 +374,7 @@ class P2PNode:
         if not self.quic and any(is_quic(str(a)) for a in mas):
             mas = [a for a in mas if not is_quic(str(a))]
             if not mas:
-                raise ConnectionError(f"{peer_id} is reachable only over QUIC, and this node does not run it (--quic on)")
+                raise LinkError(f"{peer_id} is reachable only over QUIC, and this node does not run it (--quic on)")
         if mas:  # the signed record's addresses replace what identify or the DHT told: the swarm dials the first
             first, fallback = dial_order(mas)
             self._fallback_addrs[pid] = fallback
