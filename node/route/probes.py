@@ -35,19 +35,21 @@ log = logging.getLogger(__name__)
 
 async def ping_hops(node: P2PNode, hops: Sequence[Hop], timeouts: Mapping[str, float]) -> list[str]:
     """The distinct peers of `hops` (in route order) that do not answer one ping within their timeout, over the open
-    connection nor, when there was one, over a new one dialled after hanging it up."""
+    connection nor, when that was QUIC, over a new one dialled after hanging it up."""
     peers = {h.peer_id: h for h in hops}
     silent: set[str] = set()
 
     async def one(hop: Hop) -> None:
         timeout = timeouts.get(hop.peer_id, 3.0)
-        held = node.connected(hop.peer_id)
+        # Over QUIC the path can die while the peer and its TCP port live (UDP blackholed, a NAT that forgot the
+        # mapping); over TCP a silent connection is a silent peer (a frozen one would cost a second timeout).
+        held = node.transport_to(hop.peer_id) == "quic"
         try:
             await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
             return
         except Exception as exc:  # timeout, reset, refused
             log.info("hop %s did not answer a ping: %r", short(hop.peer_id), exc)
-        if held:  # the connection may be what died (a blackholed path, a NAT that forgot it): dial afresh once
+        if held:  # the QUIC connection may be what died: dial afresh once, TCP first
             await node.hang_up(hop.peer_id)
             try:
                 await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
