@@ -403,7 +403,8 @@ class P2PNode:
             raise ValueError("cannot open a stream to ourselves")
         pid = self._remember(peer_id, addrs)
         try:
-            await self.connect(peer_id, addrs, pid)  # a no-op when connected; the swarm redials broken connections
+            if any(is_circuit(a) for a in addrs) or self._fallback_addrs.get(pid):  # else the swarm dials (and
+                await self.connect(peer_id, addrs, pid)  # redials broken connections) itself
             stream = await self._new_stream(pid, protocol_id)
         except Exception as exc:  # dial failures, refused protocols, resets during negotiation
             raise LinkError(f"cannot open {protocol_id} to {peer_id}: {exc!r}") from exc
