@@ -510,10 +510,6 @@ class P2PNode:
         """Every signed record under `key` held here or by the closest live nodes (`RecordClient.get`)."""
         return await RecordClient(self).get(key)
 
-    def connected(self, peer_id: str) -> bool:
-        """Whether an open connection to `peer_id` is held (as far as py-libp2p knows)."""
-        return self.host is not None and self._connections(ID.from_base58(peer_id))[1] > 0
-
     async def hang_up(self, peer_id: str) -> None:
         """Close every connection to `peer_id` (best effort): the next stream dials it afresh, TCP first."""
         with trio.move_on_after(CLOSE_TIMEOUT_S):
@@ -521,11 +517,9 @@ class P2PNode:
 
     async def forget_peer(self, peer_id: str) -> None:
         """Drop a peer found unresponsive from the routing table and close its connections (best effort)."""
-        peer = ID.from_base58(peer_id)
         if self.dht is not None:
-            self.dht.routing_table.remove_peer(peer)
-        with trio.move_on_after(CLOSE_TIMEOUT_S):
-            await _quiet(self.host.disconnect(peer))
+            self.dht.routing_table.remove_peer(ID.from_base58(peer_id))
+        await self.hang_up(peer_id)
 
 
 async def _quiet(aw: Awaitable[Any]) -> None:

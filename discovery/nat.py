@@ -112,7 +112,6 @@ class HonestAutoNAT(AutoNATService):
                 continue
         return None
 
-
     async def _quic_dial_back(self, peer_id: ID, ma: multiaddr.Multiaddr) -> bool:
         """A fresh QUIC connection to `ma` (a new handshake from here, not the connection the request came on), closed
         at once: True if the peer answered there. Needs this node to run QUIC (listen on a QUIC address)."""

@@ -143,10 +143,10 @@ class Drafting:
         self.single_token_s = 0.0  # last measured seconds per token of a single (unbatched) draft step
         self._steps: deque[tuple[int, float]] = deque(maxlen=32)  # (rows, seconds) of recent pre-drafting steps
 
-    def row_cost_s(self) -> float | None:
-        """What one more row adds to a batched pre-drafting step, in seconds (fitted; None until rows varied)."""
-        fit = cost_line((float(n), t) for n, t in self._steps)
-        return None if fit is None else fit[1]
+    def step_cost(self) -> tuple[float, float] | None:
+        """(a, m) of a batched pre-drafting step's seconds = a + m·rows, fitted on recent steps (None until rows
+        varied): m is what one more branch adds to a step."""
+        return cost_line((float(n), t) for n, t in self._steps)
 
     def _row(self, q: torch.Tensor, pos: int) -> torch.Tensor:
         """The row the head bets on for position `pos`: q, or its coupled row when the noise is set."""
@@ -281,7 +281,7 @@ class Drafting:
         other one when the step would end after `due`, are marked dead."""
         keep = [b for b in active if b.main or worth(b, gamma - len(b.tokens) + (b.root is None))]
         if due is not None and len(keep) > 1:
-            fit = cost_line((float(n), t) for n, t in self._steps)
+            fit = self.step_cost()
             step = None if fit is None else fit[0] + fit[1] * len(keep)
             if step is not None and time.perf_counter() + step > due:
                 keep = [b for b in keep if b.main]

@@ -348,10 +348,10 @@ class HeadEngine:
         spares drafting γ tokens after the verdict (γ·d, d = a single step's seconds per token); each row it
         adds costs the head's batched steps `m` seconds (their fitted marginal row cost)."""
         saved = gamma * self.drafting.single_token_s
-        m = self.drafting.row_cost_s()
+        fit = self.drafting.step_cost()
 
         def worth(branch: Branch, left: int) -> bool:
-            return m is None or branch.value * saved >= m * left
+            return fit is None or branch.value * saved >= fit[1] * left
 
         return worth
 

@@ -174,11 +174,8 @@ class WindowController:
         trials = accepted + (1 if accepted < gamma else 0)
         self._succ = self.decay * self._succ + accepted
         self._trials = self.decay * self._trials + trials
-        w = 1.0 - self.decay
         if gamma > 0:
-            self._draft_s = draft_s_per_token if self._draft_s is None else (
-                self.decay * self._draft_s + w * draft_s_per_token
-            )
+            self._draft_s = self._smooth(self._draft_s, draft_s_per_token)
         self._observe_round(gamma + 1, round_s)
         if ranks:
             self._observe_ranks(ranks)
@@ -195,15 +192,17 @@ class WindowController:
         hits = sum(1 for r in ranks if r == 1)
         self._succ = self.decay * self._succ + hits
         self._trials = self.decay * self._trials + len(ranks)
-        w = 1.0 - self.decay
-        self._layer_s = layer_s if self._layer_s is None else self.decay * self._layer_s + w * layer_s
+        self._layer_s = self._smooth(self._layer_s, layer_s)
         self._observe_round(nodes + 1, round_s)
         if ranks:
             self._observe_ranks(ranks)
 
+    def _smooth(self, old: float | None, x: float) -> float:
+        """One EWMA step with the controller's decay (the first observation as it is)."""
+        return x if old is None else self.decay * old + (1.0 - self.decay) * x
+
     def _observe_round(self, tokens: int, round_s: float) -> None:
-        w = 1.0 - self.decay
-        self._round_s = round_s if self._round_s is None else self.decay * self._round_s + w * round_s
+        self._round_s = self._smooth(self._round_s, round_s)
         self._rounds.append((tokens, round_s))
 
     @staticmethod
@@ -228,13 +227,11 @@ class WindowController:
 
     def observe_ready(self, ready: bool) -> None:
         """Record whether the window after a trip was ready (a pre-drafted branch matched the verdict)."""
-        x = 1.0 if ready else 0.0
-        self._ready = x if self._ready is None else self.decay * self._ready + (1.0 - self.decay) * x
+        self._ready = self._smooth(self._ready, 1.0 if ready else 0.0)
 
     def observe_ahead(self, won: bool) -> None:
         """Record whether a window sent ahead on a bet was used (the verdict matched it) or dropped."""
-        x = 1.0 if won else 0.0
-        self._won = x if self._won is None else self.decay * self._won + (1.0 - self.decay) * x
+        self._won = self._smooth(self._won, 1.0 if won else 0.0)
 
     @property
     def ahead_won(self) -> float | None:

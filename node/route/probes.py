@@ -43,13 +43,13 @@ async def ping_hops(node: P2PNode, hops: Sequence[Hop], timeouts: Mapping[str, f
         timeout = timeouts.get(hop.peer_id, 3.0)
         # Over QUIC the path can die while the peer and its TCP port live (UDP blackholed, a NAT that forgot the
         # mapping); over TCP a silent connection is a silent peer (a frozen one would cost a second timeout).
-        held = node.transport_to(hop.peer_id) == "quic"
+        over_quic = node.transport_to(hop.peer_id) == "quic"
         try:
             await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
             return
         except Exception as exc:  # timeout, reset, refused
             log.info("hop %s did not answer a ping: %r", short(hop.peer_id), exc)
-        if held:  # the QUIC connection may be what died: dial afresh once, TCP first
+        if over_quic:  # the QUIC connection may be what died: dial afresh once, TCP first
             await node.hang_up(hop.peer_id)
             try:
                 await measure_rtt(node, hop.peer_id, hop.addrs, samples=1, timeout=timeout)
