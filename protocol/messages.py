@@ -386,6 +386,42 @@ class Error(Message):
 
 
 @dataclass(frozen=True)
+class Move(Message):
+    """The sender of a running session's leg moves it to a new stream (a direct link appeared where it was relayed):
+    nothing more of `session` comes on this stream; the receiver reads on from the stream that `Attach`es it."""
+
+    TYPE: ClassVar[str] = "move"
+    FIELDS: ClassVar[tuple[_Field, ...]] = (_Field("session", _session),)
+    session: str
+
+
+@dataclass(frozen=True)
+class Attach(Message):
+    """First message of a stream that takes over a running session's leg after a `Move` on the old one: the leg into
+    the receiver's span at `start`, or (`start` None) the return leg into the head. Only the peer that sent on the
+    old stream may attach; the session's caches and position are kept: nothing is replayed."""
+
+    TYPE: ClassVar[str] = "attach"
+    FIELDS: ClassVar[tuple[_Field, ...]] = (_Field("session", _session), _Field("start", _opt_pos, optional=True))
+    session: str
+    start: int | None = None
+
+
+@dataclass(frozen=True)
+class Moved(Message):
+    """Sent back toward the head by a peer that moved its leg to the next hop: that leg (the one out of `peer`)
+    travels as `link` now (direct, hole-punched, with +quic), so the head's report shows the ring as it is."""
+
+    TYPE: ClassVar[str] = "moved"
+    FIELDS: ClassVar[tuple[_Field, ...]] = (
+        _Field("session", _session), _Field("peer", _session), _Field("link", _code),
+    )
+    session: str
+    peer: str
+    link: str
+
+
+@dataclass(frozen=True)
 class Ping(Message):
     """Liveness / RTT probe; `payload` lets a prober measure bandwidth too."""
 

@@ -10,7 +10,7 @@ import trio
 from dsd.discovery.framing import FramedStream
 from dsd.node.route.legs import ReturnLegs
 from dsd.node.server.metrics import PeerMetrics
-from dsd.protocol import Ack, Error, OpenSession, ProtocolError
+from dsd.protocol import Ack, Attach, Error, OpenSession, ProtocolError
 
 if TYPE_CHECKING:  # a head's dispatcher has no server: heads and bootstrap nodes load no torch for it
     from dsd.node.server.block import BlockServer
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class InferDispatcher:
-    """Routes each incoming `/dsd/infer/1` stream by its first message: a session to serve, or a return leg.
+    """Routes each incoming `/dsd/infer/1` stream by its first message: a session to serve, a return leg, or a stream
+    that takes over a running leg of either (`Attach`).
 
     Every stream's bytes and every bad opening are counted in `metrics` (the block server's, once
     the daemon has loaded one, so a peer exposes one registry).
@@ -53,6 +54,10 @@ class InferDispatcher:
             await self.server.serve(stream, remote, first)
         elif isinstance(first, Ack):
             await self.legs.serve(stream, remote, first)
+        elif isinstance(first, Attach) and (first.start is None or self.server is None):
+            await self.legs.attach(stream, remote, first)  # a return leg moving off a relay (or nothing to attach to)
+        elif isinstance(first, Attach):
+            await self.server.attach(stream, remote, first)  # a leg into a session served here moving off a relay
         elif isinstance(first, OpenSession):
             await self._refuse(stream, Error("bad_request", "this peer serves no blocks", first.session))
         else:

@@ -115,6 +115,7 @@ class RouteBackend(TargetBackend):
             route=[h.peer_id for h in hops], spans=[(h.start, h.end) for h in hops],
             hops=ring_hops(hops, client.node.peer_id, mine, links[: len(hops)]), bytes_sent=client.bytes_sent,
             return_link=links[len(hops)] if len(links) > len(hops) else None,
+            link_moves=list(client.session.moves) if client.session is not None else [],
             bytes_received=client.bytes_received, head_compute_s=self.head_compute_s, failovers=list(client.events),
             audits=self.audits,
         )

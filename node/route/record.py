@@ -48,6 +48,7 @@ class RouteRecord:
     head_compute_s: float = 0.0
     failovers: list[FailoverEvent] = field(default_factory=list)
     return_link: str | None = None  # how the last peer's leg back to the head travels
+    link_moves: list[dict[str, str]] = field(default_factory=list)  # legs moved off a relay mid-session (whose, to what)
     audits: AuditLedger | None = None  # what the audits did (None: not audited)
 
     def as_dict(self) -> dict[str, Any]:
@@ -56,6 +57,7 @@ class RouteRecord:
             "spans": [list(s) for s in self.spans],
             "hops": [h.as_dict() for h in self.hops],
             "return_link": self.return_link,
+            "link_moves": [dict(m) for m in self.link_moves],
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "head_compute_s": round(self.head_compute_s, 4),

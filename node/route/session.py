@@ -3,7 +3,9 @@
 The head opens one stream to the first peer and sends `OpenSession` with the rest
 of the route; the last peer opens a stream back to the head (the return leg),
 announced by an `Ack` carrying the session id. Errors from any peer flow back to
-the head along the first stream; results arrive on the return leg. Timing, blame and
+the head along the first stream; results arrive on the return leg. A leg opened over a relay moves to a direct
+stream when a direct connection appears (`dsd.discovery.handover`): the head moves its first leg itself, the peers
+move theirs and say so (`Moved`), and `links` follows. Timing, blame and
 failover are not here: the head's `RouteState` (`dsd.protocol.route_state`) decides them
 and `client.RouteClient` carries its decisions out.
 """
@@ -20,15 +22,18 @@ import numpy as np
 import trio
 
 from dsd.discovery.framing import FramedStream, close_quietly
+from dsd.discovery.handover import LegMover
 from dsd.discovery.host import P2PNode
 from dsd.discovery.tasks import owned_nursery
 from dsd.protocol import (
     Ack,
+    Attach,
     CloseSession,
     Error,
     Forward,
     Hop,
     Message,
+    Moved,
     OpenSession,
     ProtocolError,
     Result,
@@ -98,6 +103,9 @@ class RouteSession:
         self.id = session_id or secrets.token_hex(8)
         self.traffic = Traffic()
         self.links: list[str | None] = []  # once open: the leg into each hop, then the leg back to the head
+        self.moves: list[dict[str, str]] = []  # legs moved off a relay while the session ran: whose leg, to what link
+        self._mover = LegMover(node, self.hops[0].peer_id, tuple(self.hops[0].addrs))
+        self._send_lock = trio.Lock()  # a move and the windows around it keep their order on the first leg
         self.hidden_size: int | None = None  # width of the hidden states sent (for trial windows)
         self._stream: FramedStream | None = None
         self._inbox: trio.MemoryReceiveChannel[Message | BaseException] | None = None
@@ -126,7 +134,7 @@ class RouteSession:
 
     async def _open(self) -> None:
         first = self.hops[0]
-        self._inbox = self.legs.expect(self.id)
+        self._inbox = self.legs.expect(self.id, self.traffic.watch)
         route = tuple(self.hops[1:]) + (self.head_hop(),)
         try:
             with trio.fail_after(self.open_timeout_s):
@@ -146,9 +154,6 @@ class RouteSession:
                 leg = await self._next_message()
                 if not isinstance(leg, Ack):
                     raise RouteError(f"return leg opened with {type(leg).__name__}", peer=self.hops[-1].peer_id)
-                leg_stream = self.legs.stream(self.id)
-                if leg_stream is not None:
-                    self.traffic.watch(leg_stream)
         except trio.TooSlowError as exc:
             raise RouteError(f"opening the route timed out after {self.open_timeout_s:.0f} s", peer=first.peer_id,
                              code="timeout") from exc
@@ -172,27 +177,38 @@ class RouteSession:
             await self._watch()
 
     async def _watch(self) -> None:
-        assert self._stream is not None
         inbox = self.legs.inbox(self.id)
-        try:
-            while True:
-                msg = await self._stream.receive()
+        while True:  # on from the new stream when the first leg moved (the first peer ends the old one)
+            stream = self._stream
+            assert stream is not None
+            try:
+                while True:
+                    msg = await stream.receive()
+                    if inbox is not None:
+                        await inbox.send(msg)
+            except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                if stream is not self._stream:
+                    await close_quietly(stream)
+                    continue
                 if inbox is not None:
-                    await inbox.send(msg)
-        except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            if inbox is not None:
-                with trio.move_on_after(1):
-                    try:
-                        await inbox.send(RouteError(f"stream to first peer ended: {exc!r}", peer=self.hops[0].peer_id))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
+                    with trio.move_on_after(1):
+                        try:
+                            await inbox.send(RouteError(f"stream to first peer ended: {exc!r}",
+                                                        peer=self.hops[0].peer_id))
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            pass
+                return
 
     async def _next_message(self) -> Message:
         assert self._inbox is not None
-        try:  # what has arrived is taken even when the caller's deadline has already passed
-            item = self._inbox.receive_nowait()
-        except trio.WouldBlock:
-            item = await self._inbox.receive()
+        while True:
+            try:  # what has arrived is taken even when the caller's deadline has already passed
+                item = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                item = await self._inbox.receive()
+            if not isinstance(item, Moved):
+                break
+            self._note_moved(item.peer, item.link)
         failed: str | None = None
         if isinstance(item, RouteError) and item.code == "route":
             # A stream ended; the peer that caused it usually sends an Error along the ring
@@ -208,17 +224,41 @@ class RouteSession:
             raise RouteError(f"peer error {item.code}: {item.message}", code=item.code, peer=self._blamed(item, failed))
         return item
 
+    def _note_moved(self, sender: str, link: str) -> None:
+        """The leg out of `sender` (this head or a hop) travels as `link` now."""
+        at = 0 if sender == self.node.peer_id else self.peers.index(sender) + 1 if sender in self.peers else None
+        if at is None or at >= len(self.links):
+            return
+        self.links[at] = link
+        self.moves.append({"from": sender, "link": link})
+
     def _blamed(self, error: Error, failed: str | None) -> str | None:
         """The hop the error's `blame` names, else (no blame, or not on this route) the peer whose stream failed."""
         return error.blame if error.blame in self.peers else failed
 
     async def send_message(self, msg: Message) -> None:
-        """Send any message on the session's first stream (windows normally go through `send_window`)."""
+        """Send any message on the session's first stream (windows normally go through `send_window`); a window first
+        moves the first leg onto a direct stream when it is relayed and one to the first peer exists now."""
         assert self._stream is not None
         try:
-            await self._stream.send(msg)
+            async with self._send_lock:
+                if isinstance(msg, Forward) and self._mover.wants_move(self._stream):
+                    await self.move_first_leg()
+                await self._stream.send(msg)
         except Exception as exc:  # reset, closed, peer gone
             raise RouteError(f"sending to the first peer failed: {exc!r}", peer=self.hops[0].peer_id) from exc
+
+    async def move_first_leg(self) -> None:
+        """Move the first leg onto a new stream to the first peer (`Move`, then `Attach`): what a window does when the
+        leg is relayed and a direct connection exists; callable alone (tests move a direct leg this way)."""
+        first = self.hops[0]
+        assert self._stream is not None
+        new = await self._mover.move(self._stream, self.id, Attach(self.id, first.start))
+        if new is None:
+            return
+        self.traffic.watch(new)
+        self._stream = new  # the watcher reads the old one to its end, then this one
+        self._note_moved(self.node.peer_id, self.node.link_kind(first.peer_id, new) or "direct")
 
     async def send_window(
         self,

@@ -10,6 +10,8 @@ accepted path, which every peer of the ring keeps in its cache instead of trunca
 The span computes on its device in its dtype (weights and KV caches live there); hidden states
 cross to the CPU only to be put on the wire, by default in the codec of the compute dtype.
 A faulty peer (`faults`, `--faulty`: tests and demos only) sends lies instead, after the same honest step.
+A leg opened over a relay moves to a direct stream once a direct connection to its peer exists, both ways
+(`dsd.discovery.handover`): this peer moves its leg to the next hop, and takes over a new upstream after a `Move`.
 Windows of different sessions that wait while the span computes run as one step (`batching.Batcher`, `--batching`).
 """
 
@@ -27,16 +29,20 @@ import trio
 
 from dsd.discovery.announce import software_version
 from dsd.discovery.framing import FramedStream, LinkError, close_quietly, send_quietly
+from dsd.discovery.handover import ATTACH_TIMEOUT_S, Handover, LegMover
 from dsd.discovery.host import P2PNode
 from dsd.discovery.records import PeerRecord
 from dsd.protocol import (
     DEFAULT_LIMITS,
     Ack,
+    Attach,
     CloseSession,
     Error,
     Forward,
     Hop,
     Message,
+    Move,
+    Moved,
     OpenSession,
     ProtocolError,
     Result,
@@ -70,7 +76,8 @@ FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 @dataclass
 class Session:
-    """One inference session on this peer: its rule state, KV cache and the stream to the next hop."""
+    """One inference session on this peer: its rule state, KV cache, the stream it reads from upstream and the one to
+    the next hop (each replaced when its leg moves off a relay)."""
 
     state: SessionState
     span: SpanModule
@@ -79,6 +86,10 @@ class Session:
     last_hop: bool
     next_peer: str = ""
     remote: str = ""
+    upstream: FramedStream | None = None
+    next_start: int = 0
+    handover: Handover | None = None  # streams that take over the upstream leg after a Move
+    mover: LegMover | None = None  # moves the leg to the next hop off a relay
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     opened_at: float = field(default_factory=time.monotonic)
     windows: int = 0
@@ -208,6 +219,7 @@ class BlockServer:
             await send_quietly(upstream, Error(exc.code, exc.message, first.session, exc.blame or me))
             await close_quietly(upstream)
             return
+        session.upstream = upstream
         if self.closing:  # opened while shutdown was cancelling the others: end it the same way
             session.scope.cancel()
         log.info("session %s open from %s (max_len %d, last hop %s)", session.id, remote, session.max_len, session.last_hop)
@@ -215,12 +227,12 @@ class BlockServer:
         try:
             async with trio.open_nursery() as nursery:
                 if not session.last_hop:
-                    nursery.start_soon(self._relay_back, session, upstream)
+                    nursery.start_soon(self._relay_back, session)
                 nursery.start_soon(watch_upstream, self.node, remote, session.liveness, self.limits, session.scope)
                 try:
                     await upstream.send(Ack(session.id, 0, session.links))
                     with session.scope:
-                        await self._session_loop(session, upstream)
+                        await self._session_loop(session)
                     if session.scope.cancelled_caught and session.liveness.lost is not None:
                         log.info("session %s ended: %s", session.id, session.liveness.lost)
                         error = Error("unreachable", f"{me}: {session.liveness.lost}", session.id, remote)
@@ -229,7 +241,7 @@ class BlockServer:
                     elif session.scope.cancelled_caught:
                         error = Error("draining", f"{me}: this peer is leaving the swarm", session.id, me)
                         self.metrics.error(error.code)
-                        await send_quietly(upstream, error)
+                        await send_quietly(session.upstream, error)
                         await send_quietly(session.downstream, error)
                 except (SessionError, SessionRuleError) as exc:
                     log.info("session %s ended with error: %s", session.id, exc.message)
@@ -238,12 +250,12 @@ class BlockServer:
                     blame = exc.blame if isinstance(exc, SessionError) else None
                     error = Error(exc.code, f"{me}: {exc.message}", session.id, blame or me)
                     self.metrics.error(error.code)
-                    await send_quietly(upstream, error)
+                    await send_quietly(session.upstream, error)
                     await send_quietly(session.downstream, error)
                 except ProtocolError as exc:
                     log.info("session %s: bad frame from upstream: %s", session.id, exc)
                     self.metrics.error(exc.code)
-                    await send_quietly(upstream, Error(exc.code, f"{me}: {exc}", session.id, me))
+                    await send_quietly(session.upstream, Error(exc.code, f"{me}: {exc}", session.id, me))
                 except (EOFError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     log.info("session %s upstream gone: %r", session.id, exc)
                     self.metrics.error("unreachable")
@@ -253,14 +265,18 @@ class BlockServer:
                 except Exception as exc:
                     log.exception("session %s failed", session.id)
                     self.metrics.error("internal")
-                    await send_quietly(upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id, me))
+                    await send_quietly(session.upstream, Error("internal", f"{type(exc).__name__}: {exc}", session.id, me))
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
             self._release(session)
             await close_quietly(session.downstream)
             self.metrics.untrack(session.downstream)
-            await close_quietly(upstream)
+            await close_quietly(session.upstream)
+            if session.upstream is not upstream:
+                await close_quietly(upstream)
+            if session.handover is not None:
+                session.handover.close()
 
     async def _open(self, msg: OpenSession, remote: str) -> Session:
         if self.closing:
@@ -286,6 +302,7 @@ class BlockServer:
         span = self._span_for(msg.start, msg.end)
         state = SessionState(msg.session, msg.max_len, self.limits.max_window)
         session = Session(state, span, span.new_cache(msg.max_len), downstream, nxt.start == nxt.end, nxt.peer_id, remote,
+                          next_start=nxt.start, handover=Handover(remote), mover=LegMover(self.node, nxt.peer_id, nxt.addrs),
                           links=links, lies=self.fault.session() if self.fault else None)
         self.sessions[key] = session
         return session
@@ -369,19 +386,70 @@ class BlockServer:
         if self.ledger.release(key):
             log.info("session %s closed after %d windows", session.id, session.windows)
 
-    async def _relay_back(self, session: Session, upstream: FramedStream) -> None:
-        """Carry errors from the next hop back toward the head."""
-        try:
-            while True:
-                msg = await session.downstream.receive()
-                if isinstance(msg, Error):
-                    await upstream.send(msg)
-        except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-
-    async def _session_loop(self, session: Session, upstream: FramedStream) -> None:
+    async def _relay_back(self, session: Session) -> None:
+        """Carry errors and moved legs' news from the next hop back toward the head (on from the new stream when the leg
+        to the next hop moved)."""
         while True:
-            msg = await receive_within(upstream, self.limits.idle_timeout_s)  # EOF: the upstream went away
+            stream = session.downstream
+            try:
+                while True:
+                    msg = await stream.receive()
+                    if isinstance(msg, (Error, Moved)) and session.upstream is not None:
+                        await session.upstream.send(msg)
+            except (EOFError, ProtocolError, LinkError, trio.BrokenResourceError, trio.ClosedResourceError):
+                if session.downstream is stream:
+                    return
+                await close_quietly(stream)  # the old leg, ended by the next hop after our Move
+
+    async def attach(self, stream: FramedStream, remote: str, msg: Attach) -> None:
+        """A new stream that takes over a running session's upstream leg (after the `Move` its writer sent on the old
+        one): hand it to the session, held until the session is done with it; anything else is refused."""
+        session = self.sessions.get((msg.session, msg.start)) if msg.start is not None else None
+        if session is not None and session.handover is not None and await session.handover.give(stream, remote):
+            return
+        log.info("refused an attach to session %s at %s from %s", msg.session, msg.start, remote)
+        self.metrics.refused("unknown_session")
+        await send_quietly(stream, Error("unknown_session", f"no session {msg.session!r} at block {msg.start} that "
+                                         f"{remote} may attach to", msg.session, self.node.peer_id))
+        await close_quietly(stream)
+
+    async def _take_upstream(self, session: Session) -> None:
+        """After a `Move`: read on from the stream that attaches (the old one is done)."""
+        assert session.handover is not None and session.upstream is not None
+        old = session.upstream
+        try:
+            session.upstream = await session.handover.take(ATTACH_TIMEOUT_S)
+        except trio.TooSlowError as exc:
+            raise SessionError("unreachable", f"upstream {session.remote} moved the session, but no stream attached "
+                               f"within {ATTACH_TIMEOUT_S:.0f} s", session.remote) from exc
+        await close_quietly(old)
+        log.info("session %s: the leg from %s moved to a %s link", session.id, session.remote,
+                 self.node.link_kind(session.remote, session.upstream))
+
+    async def _move_down(self, session: Session) -> None:
+        """Move the leg to the next hop onto a direct stream (see `dsd.discovery.handover`), and tell the head."""
+        assert session.mover is not None
+        attach = Attach(session.id, None if session.last_hop else session.next_start)
+        try:
+            with trio.fail_after(self.limits.send_timeout_s):
+                new = await session.mover.move(session.downstream, session.id, attach)
+        except Exception as exc:
+            raise SessionError("unreachable", f"next hop {session.next_peer} unreachable while moving the leg: "
+                               f"{type(exc).__name__}: {exc}", session.next_peer) from exc
+        if new is None:
+            return
+        self.metrics.untrack(session.downstream)
+        self.metrics.track(new)
+        session.downstream = new  # the old one is closed by `_relay_back` once the next hop has ended it
+        link = self.node.link_kind(session.next_peer, new) or "direct"
+        session.links = (link, *session.links[1:])
+        if session.upstream is not None:
+            await send_quietly(session.upstream, Moved(session.id, self.node.peer_id, link))
+
+    async def _session_loop(self, session: Session) -> None:
+        while True:
+            assert session.upstream is not None
+            msg = await receive_within(session.upstream, self.limits.idle_timeout_s)  # EOF: the upstream went away
             session.liveness.heard()
             if isinstance(msg, Forward):
                 await self._forward(session, msg)
@@ -392,6 +460,9 @@ class BlockServer:
                 log.info("session %s: error from upstream passed along: %s", session.id, msg.message)
                 await send_quietly(session.downstream, msg)
                 return
+            elif isinstance(msg, Move):
+                session.state.check(msg.session)
+                await self._take_upstream(session)
             elif isinstance(msg, CloseSession):
                 session.state.check(msg.session)
                 if not session.last_hop:
@@ -452,6 +523,8 @@ class BlockServer:
         await self._send_down(session, reply)
 
     async def _send_down(self, session: Session, msg: Message) -> None:
+        if isinstance(msg, (Forward, Result)) and session.mover is not None and session.mover.wants_move(session.downstream):
+            await self._move_down(session)
         try:
             with trio.fail_after(self.limits.send_timeout_s):
                 await session.downstream.send(msg)

@@ -66,9 +66,16 @@ def test_nated_peers_serve_through_relays_and_punch_when_the_nat_allows(
             assert listed[p["peer_id"]]["reachability"] == "private" and listed[p["peer_id"]]["rtt_ms"] is not None
             assert listed[p["peer_id"]]["link"] in ("relayed", "hole-punched")
 
-        first = generate(swarm, boot["addrs"][0], store, PROMPT)
-        assert first["tokens"] == reference
+        # p1 meets p2 when the session opens, over a relay; 80 ms on the head's links make the generation outlast
+        # the punch: on a port-preserving NAT p1 moves the session's leg onto the punched link while it runs
+        first = generate(swarm, boot["addrs"][0], store, PROMPT, 16, "--wan-latency-ms", "80")
+        assert first["tokens"] == reference and first["failovers"] == 0, first["failover_events"]
         assert all(link in ("relayed", "hole-punched") for link in links(first)), links(first)
+        moved = {m["from"]: m["link"] for m in first["link_moves"]}
+        if symmetric:
+            assert not moved and links(first)[1] == "relayed", first["link_moves"]
+        else:  # upgrade in place: no replay (no failover), the ring leg ends on the punched link
+            assert moved.get(peers[0]["peer_id"]) == "hole-punched" and links(first)[1] == "hole-punched", first
         time.sleep(25)  # punches run in the background of the peers (and fail after ~22 s on a symmetric NAT)
         second = generate(swarm, boot["addrs"][0], store, PROMPT)
         assert second["tokens"] == reference

@@ -14,6 +14,7 @@ from support.frames import raw_frame, split_at
 from dsd.protocol import (
     PROTOCOL_VERSION,
     Ack,
+    Attach,
     CloseSession,
     DraftWindow,
     Error,
@@ -23,6 +24,8 @@ from dsd.protocol import (
     Hop,
     Limits,
     Message,
+    Move,
+    Moved,
     OpenSession,
     Ping,
     Pong,
@@ -142,6 +145,9 @@ messages = st.one_of(
     st.builds(Truncate, names, positions),
     st.builds(CloseSession, names),
     st.builds(Ack, names, positions),
+    st.builds(Move, names),
+    st.builds(Attach, names, opt_positions),
+    st.builds(Moved, names, names, idents),
     st.builds(Error, st.sampled_from(["busy", "limit", "unknown_session", "internal"]), texts, st.none() | names, st.none() | names),
     st.builds(Ping, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
     st.builds(Pong, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
@@ -458,3 +464,15 @@ def test_ack_links_round_trip_and_an_ack_without_them_keeps_its_old_wire_form() 
     assert "links" not in msgpack.unpackb(encode(Ack("s1", 0))[4:])
     with pytest.raises(ProtocolError):
         Ack("s1", 0, ("no spaces allowed",)).validate(Limits())
+
+
+def test_moving_a_leg_names_its_session_and_a_bad_link_or_start_is_refused() -> None:
+    assert FrameDecoder().feed(encode(Attach("s1"))) == [Attach("s1", None)]  # None: the return leg into the head
+    assert msgpack.unpackb(encode(Attach("s1", 7))[4:]) == {"v": PROTOCOL_VERSION, "type": "attach", "session": "s1",
+                                                           "start": 7}
+    with pytest.raises(ProtocolError, match="start"):
+        Attach("s1", -1)
+    with pytest.raises(ProtocolError, match="link"):
+        Moved("s1", "peer", "over the moon")
+    with pytest.raises(ProtocolError, match="session"):
+        Message.from_wire({"v": PROTOCOL_VERSION, "type": "move"})

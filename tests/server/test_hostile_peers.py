@@ -23,7 +23,7 @@ from dsd.node.peer.host import head_node
 from dsd.node.route.errors import RouteError
 from dsd.node.route.session import RouteSession, open_route_session
 from dsd.node.testnet.processes import pid_alive, stop_processes, wait_ready
-from dsd.protocol import Error, FrameDecoder, Hop, OpenSession, encode, encode_tensor
+from dsd.protocol import Attach, Error, FrameDecoder, Hop, OpenSession, encode, encode_tensor
 from dsd.protocol import Forward as Fwd
 from dsd.protocol.ids import INFER_PROTOCOL
 from dsd.shard_store import Store
@@ -151,6 +151,52 @@ def test_hostile_streams_are_refused_and_the_peer_keeps_serving(peer: dict, tiny
     print(f"peer RSS before {rss_before} KiB, after {rss_after} KiB")
     # Measured growth over this sequence: 1148-1164 KiB (3 runs); the bound is the largest + 20 MiB.
     assert rss_after - rss_before < 1_164 + 20_480, (rss_before, rss_after)
+
+
+def test_a_leg_moves_to_a_new_stream_mid_session_and_only_its_writer_may_move_it(
+    peer: dict, tiny_qwen2_root: Path
+) -> None:
+    """Upgrade in place, its mechanics on a direct link: the head moves its leg to a new stream between two windows
+    (`Move` on the old, `Attach` on the new) and the session carries on from the same KV cache, exact; an `Attach`
+    from another peer, to a session not here, or to a return leg that is not its own is refused with an Error."""
+    store = Store(tiny_qwen2_root / "store")
+    head = store.load_head()
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_root / "hf"), dtype=torch.float32).eval()
+    hops = [Hop(peer["peer_id"], tuple(peer["addrs"]), 0, 5)]
+    ids = [1, 17, 42, 99, 5, 6, 7, 8, 9]
+
+    def embed(tokens: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return head.embed(torch.tensor([tokens]))[0].numpy()
+
+    async def main() -> np.ndarray:
+        async with head_node([peer["bootstrap"]]) as (node, legs), head_node([peer["bootstrap"]]) as (other, _):
+            async with open_route_session(node, legs, hops, model=MODEL, max_len=32) as session:
+                first = await session.forward(embed(ids[:5]), start=0, commit=0)
+                stranger = [
+                    Attach(session.id, 0),  # someone else's session: refused, the session goes on
+                    Attach("not-here", 0),
+                ]
+                for msg in stranger:
+                    refused = assert_refused(await raw_exchange(other, peer, INFER_PROTOCOL, encode(msg)))
+                    assert refused.code == "unknown_session", refused
+                mine = {"peer_id": node.peer_id, "addrs": node.addrs}
+                refused = assert_refused(await raw_exchange(other, mine, INFER_PROTOCOL, encode(Attach(session.id))))
+                assert refused.code == "unknown_session", refused
+                old = session._stream
+                await session.move_first_leg()
+                assert session._stream is not old and session.moves == [{"from": node.peer_id, "link": "direct"}]
+                second = await session.forward(embed(ids[5:]), start=5, commit=5)
+                return np.concatenate([first, second])
+
+    out = trio.run(main)
+    with torch.no_grad():
+        got = head.logits(torch.from_numpy(out).unsqueeze(0))[0]
+        want = reference(input_ids=torch.tensor([ids])).logits[0]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert pid_alive(peer["pid"])
+    tails = _log_tails(peer["log"])
+    assert any("moved to a direct link" in t for t in tails), tails[-20:]
 
 
 def raw_forward(session: str, rows: int, **patch: object) -> bytes:
