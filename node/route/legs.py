@@ -29,7 +29,6 @@ class ReturnLegs:
 
     def __init__(self) -> None:
         self._inboxes: dict[str, trio.MemorySendChannel[Message | BaseException]] = {}
-        self._streams: dict[str, FramedStream] = {}  # session id -> its return leg now
         self._watchers: dict[str, Callable[[FramedStream], None]] = {}  # session id -> told of each leg stream
         self._handovers: dict[str, Handover] = {}
 
@@ -44,7 +43,6 @@ class ReturnLegs:
 
     def forget(self, session: str) -> None:
         self._inboxes.pop(session, None)
-        self._streams.pop(session, None)
         self._watchers.pop(session, None)
         handover = self._handovers.pop(session, None)
         if handover is not None:
@@ -52,10 +50,6 @@ class ReturnLegs:
 
     def inbox(self, session: str) -> trio.MemorySendChannel[Message | BaseException] | None:
         return self._inboxes.get(session)
-
-    def stream(self, session: str) -> FramedStream | None:
-        """The return leg of `session`, once its last peer has opened it (until the session is forgotten)."""
-        return self._streams.get(session)
 
     async def serve(self, stream: FramedStream, remote: str, first: Ack) -> None:
         """Pump one return leg into its session's inbox until EOF."""
@@ -79,25 +73,16 @@ class ReturnLegs:
                     continue
                 await inbox.send(msg)
         except trio.TooSlowError:
-            with trio.move_on_after(1):
-                try:
-                    await inbox.send(RouteError(f"return leg from {remote} moved, but no stream attached", peer=remote))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                    pass
+            await _broken(inbox, RouteError(f"return leg from {remote} moved, but no stream attached", peer=remote))
         except (EOFError, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             # After a normal close nobody reads the inbox any more; otherwise the route is broken.
-            with trio.move_on_after(1):
-                try:
-                    await inbox.send(RouteError(f"return leg from {remote} ended: {exc!r}", peer=remote))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                    pass
+            await _broken(inbox, RouteError(f"return leg from {remote} ended: {exc!r}", peer=remote))
         finally:
             handover.close()
             with trio.move_on_after(2):
                 await stream.close()
 
     def _use(self, session: str, stream: FramedStream) -> None:
-        self._streams[session] = stream
         watch = self._watchers.get(session)
         if watch is not None:
             watch(stream)
@@ -111,3 +96,12 @@ class ReturnLegs:
         await send_quietly(stream, Error("unknown_session", f"this head has no return leg {first.session!r} that "
                                          f"{remote} may attach to", first.session))
         await close_quietly(stream)
+
+
+async def _broken(inbox: trio.MemorySendChannel[Message | BaseException], error: RouteError) -> None:
+    """Tell the session its return leg broke (within 1 s; nobody may be reading any more)."""
+    with trio.move_on_after(1):
+        try:
+            await inbox.send(error)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+            pass
