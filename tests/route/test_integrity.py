@@ -30,7 +30,7 @@ from dsd.node.head.drafters import NgramDrafter
 from dsd.node.head.setup import HeadSetup
 from dsd.node.peer.generation import RouteTarget, generate_over_swarm
 from dsd.node.peer.host import head_node
-from dsd.node.route.audit import AuditOptions
+from dsd.node.route.audit import ENDED, AuditOptions
 from dsd.protocol import Hop
 from dsd.shard_store import Store
 
@@ -185,7 +185,8 @@ def test_honest_float32_and_bfloat16_replicas_pass_200_audits(swarm: dict, tiny_
     peers = swarm["peers"]
     others = {peers[name]["peer_id"] for name in ("a2", "b2")} | liars(swarm)
     audits = []
-    for _ in range(2):
+    # Audits still running when a generation ends are dropped (ENDED, on a busy machine): generate until 200 finished.
+    while sum(a.audited for a in audits) < 200 and len(audits) < 4:
         report = generate(swarm, tiny_qwen2_root / "store", [hop(peers["a1"], 0, 3), hop(peers["b1"], 3, 5)],
                           AuditOptions(rate=1.0, tolerances=TINY_TOLERANCES), exclude=others, mode="ar", n=100)
         audits.append(report.transport.audits)
@@ -193,7 +194,8 @@ def test_honest_float32_and_bfloat16_replicas_pass_200_audits(swarm: dict, tiny_
     print(f"\n{[a.as_dict() for a in audits]}")
     assert sum(a.audited for a in audits) >= 200
     assert all(set(a.pairs) == {"bf16/fp32"} for a in audits), [a.pairs for a in audits]
-    assert sum(a.failed for a in audits) == 0 and not any(a.banned for a in audits) and not any(a.skipped for a in audits)
+    assert sum(a.failed for a in audits) == 0 and not any(a.banned for a in audits)
+    assert all(set(a.skipped) <= {ENDED} for a in audits), [a.skipped for a in audits]  # any other skip is a fault
 
 
 @pytest.fixture(scope="module")
