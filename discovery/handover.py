@@ -86,11 +86,15 @@ class LegMover:
         self.addrs = addrs
         self.retry_s = retry_s
         self._next_try = 0.0
-        self.moves = 0
+        self._direct: FramedStream | None = None  # a stream found direct stays direct: not looked at again
 
     def wants_move(self, stream: FramedStream) -> bool:
-        """Is `stream` relayed while new streams to the peer would travel directly (and no failed try is recent)?"""
-        if trio.current_time() < self._next_try or self.node.link_kind(self.peer_id, stream) != "relayed":
+        """Is `stream` relayed while new streams to the peer would travel directly (and no failed try is recent)?
+        Called before every window: a node without NAT services, or a stream already found direct, costs nothing."""
+        if self.node.nat is None or stream is self._direct or trio.current_time() < self._next_try:
+            return False
+        if self.node.link_kind(self.peer_id, stream) != "relayed":
+            self._direct = stream
             return False
         return self.node.link_kind(self.peer_id) not in (None, "relayed")
 
@@ -116,7 +120,6 @@ class LegMover:
         except BaseException:
             await close_quietly(new)
             raise
-        self.moves += 1
         log.info("session %s: the leg to %s moved from the relay to a %s link, nothing replayed", session,
                  self.peer_id, self.node.link_kind(self.peer_id, new))
         return new

@@ -442,7 +442,6 @@ class BlockServer:
         self.metrics.track(new)
         session.downstream = new  # the old one is closed by `_relay_back` once the next hop has ended it
         link = self.node.link_kind(session.next_peer, new) or "direct"
-        session.links = (link, *session.links[1:])
         if session.upstream is not None:
             await send_quietly(session.upstream, Moved(session.id, self.node.peer_id, link))
 
