@@ -6,6 +6,7 @@ machine is small and shared.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def tiny_store(request: pytest.FixtureRequest) -> Callable[[str], Path]:
         return request.getfixturevalue(f"tiny_{family}_store")
 
     return get
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first (tests/module_seconds.json; new modules count as short), each module's tests in their
+    own order: with `--no-loadscope-reorder` the two workers take modules in this order, and the short ones fill the
+    end instead of a long one running alone (refresh the file with tests/support/module_seconds.py)."""
+    weights = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
+    items.sort(key=lambda item: -weights.get(item.nodeid.split("::")[0], 0.0))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -96,16 +96,19 @@ def test_three_peers_announce_and_a_fourth_fetches_them() -> None:
 
 
 def test_dead_peer_record_disappears_within_ttl_and_withdrawal_is_immediate() -> None:
-    ttl = 3.0
+    ttl = 5.0  # refreshes every 1.7 s: room for a publication slowed by a busy machine
 
     async def main() -> None:
-        with trio.fail_after(40):
+        with trio.fail_after(50):
             async with P2PNode(create_new_key_pair()) as boot, trio.open_nursery() as nursery:
                 a, ann_a, scope_a = await start_span(nursery, boot.addrs[0], 0, 4, ttl)
                 b, _ann_b, _scope_b = await start_span(nursery, boot.addrs[0], 4, 8, ttl)
                 c, ann_c, scope_c = await start_span(nursery, boot.addrs[0], 0, 8, ttl)
                 async with P2PNode(create_new_key_pair(), bootstrap=[boot.addrs[0]]) as head:
-                    assert set(spans(await fetch_records(head, MODEL, 8))) == {a.peer_id, b.peer_id, c.peer_id}
+                    # a first publication cut short on a loaded machine lands at the next refresh
+                    with trio.fail_after(10):
+                        while set(spans(await fetch_records(head, MODEL, 8))) != {a.peer_id, b.peer_id, c.peer_id}:
+                            await trio.sleep(0.25)
                     # a dies without a word: its record must be gone within the TTL, b's must stay
                     ann_a.withdraw_on_stop = False
                     scope_a.cancel()

@@ -52,7 +52,7 @@ def test_a_quantized_route_gives_the_quantized_models_own_greedy_tokens(
         auto = generate("--mode", "ar")  # no --weights: the only format there is, the head in its own dtype
         assert auto.returncode == 0, auto.stderr[-3000:]
         other = "int4" if fmt == "int8" else "int8"
-        refused = generate("--mode", "ar", "--weights", other)
+        refused = generate("--mode", "ar", "--weights", other, "--hole-wait-s", "0")  # no peer will come to heal it
         assert refused.returncode != 0
         assert f"holds {fmt} weights; this route uses {other}" in refused.stderr, refused.stderr[-2000:]
         if fmt == "int4":  # the head serves the last layers itself in int8: a route over int4 peers only if mixing

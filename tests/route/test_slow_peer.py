@@ -39,7 +39,10 @@ def test_planner_avoids_slow_peers(tiny_qwen2_root: Path, tmp_path: Path) -> Non
         for name, opts in wan.items():
             procs.append(daemon(name, ["start", "--store", str(tiny_qwen2_root / "store"), "--blocks", "0:5",
                                       "--bootstrap", bootstrap, "--identity", str(tmp_path / f"{name}.key"),
-                                      "--ready-file", str(tmp_path / f"{name}.json"), "--threads", "1", *opts], tmp_path))
+                                      "--ready-file", str(tmp_path / f"{name}.json"), "--threads", "1",
+                                      # the same compute everywhere (a throughput measured on a busy machine
+                                      # can outweigh the links): only the measured RTTs tell the replicas apart
+                                      "--throughput", "1000", *opts], tmp_path))
         ids = {p.name: wait_ready(tmp_path / f"{p.name}.json", p, 120)["peer_id"] for p in procs[1:]}
 
         async def main():
@@ -54,7 +57,7 @@ def test_planner_avoids_slow_peers(tiny_qwen2_root: Path, tmp_path: Path) -> Non
         view = trio.run(main)
         assert view.rtts[ids["slow1"]] > 0.24 and view.rtts[ids["slow2"]] > 0.24, view.rtts
         assert view.rtts[ids["fast"]] < 0.06, view.rtts
-        assert [h.peer_id for h in view.plan.hops] == [ids["fast"]]
+        assert [h.peer_id for h in view.plan.hops] == [ids["fast"]], view.plan.explain()
     finally:
         stop_processes(list(reversed(procs)))
 

@@ -272,13 +272,13 @@ def test_generate_without_a_span_says_why_in_the_log_and_the_json(testnet: dict,
     """After the kill above, nobody serves blocks 2-3: the head waits its bounded time for them, then fails
     with the verdict, the missing blocks and the wait in its log, and the same in `--json`."""
     out = cli("generate", "--bootstrap", testnet["bootstrap"], "--store", str(tiny_qwen2_root / "store"),
-              "--prompt-ids", "1,17,42,99", "--max-new-tokens", "4", "--mode", "ar", "--hole-wait-s", "10", "--json",
+              "--prompt-ids", "1,17,42,99", "--max-new-tokens", "4", "--mode", "ar", "--hole-wait-s", "4", "--json",
               timeout=180)
     assert out.returncode == 1, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["tokens"] == [] and report["failure"]["verdict"] == "no_route"
     assert report["failure"]["missing_blocks"] == [2, 3]
-    assert "after waiting 10 s for peers to serve them" in report["error"]
+    assert "after waiting 4 s for peers to serve them" in report["error"]
     assert "generation failed after 0 tokens (no_route)" in out.stderr and "blocks 2-3" in out.stderr
     assert re.search(r"blocks 2-3 .*; waiting up to \d+ s more for the swarm's records", out.stderr), out.stderr[-2000:]
 
