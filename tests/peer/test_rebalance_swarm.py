@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
 MODEL = "tiny-qwen2"
 LAYERS = 5
 PROMPT = [1, 250, 3, 3, 3, 3, 8]
-LOOK = ("--rebalance-s", "1", "--record-ttl", "4", "--status-s", "1")
+# One announced throughput for all: measured on a busy machine the peers' figures differ enough (205 against 450
+# tokens/s, seen) that a move raises the bottleneck by 25 % and the "stable" swarm is not
+LOOK = ("--rebalance-s", "1", "--record-ttl", "4", "--status-s", "1", "--throughput", "400")
 MOVED = re.compile(r"moved to blocks (\d+):(\d+)")
 
 
