@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from dsd.shard_store import Store, convert
 from dsd.shard_store.families import adapter_for
 from dsd.shard_store.manifest import layer_file
+from dsd.shard_store.quant import Int4Linear, unpack_nibbles
 from dsd.shard_store.random_q4k import write_random_q4k_store
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -120,3 +121,13 @@ def test_writing_never_makes_a_float_copy_of_a_linear(tmp_path: Path) -> None:
     assert sizes.largest < smallest, (sizes.largest, smallest)
     assert numpy_peak < layer_fp32 / 2, (numpy_peak, layer_fp32)
     assert Store(tmp_path / "s").verify() == []
+
+
+def test_nibbles_repacked_a_block_of_rows_at_a_time_are_the_whole_tensors_packing() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q4 = torch.randint(0, 256, (1040, 64), dtype=torch.uint8, generator=gen)  # two blocks of 512 rows and 16 more
+    sz = torch.rand(128 // 32, 1040, 2, generator=gen).to(torch.bfloat16)
+    blocks, whole = Int4Linear(q4, sz, nibbles=True), Int4Linear(unpack_nibbles(q4), sz)
+    assert blocks.in_features == whole.in_features == 128 and torch.equal(blocks.qweight, whole.qweight)
+    x = torch.randn(3, 128)
+    assert torch.equal(blocks(x), whole(x))
