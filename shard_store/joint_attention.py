@@ -4,7 +4,10 @@ prefix only — as much work as each session's step alone, instead of every quer
 (which transformers' CPU attention also repeats per query head).
 
 A span's layers call it through transformers' attention registry under `dsd_sdpa` / `dsd_eager` (the family's own
-kernel, see `FamilyAdapter.attn_implementation`, prefixed): outside a joint step it is that kernel, unchanged.
+kernel, see `FamilyAdapter.attn_implementation`, prefixed): outside a joint step it is that kernel, unchanged. A
+quantized span runs its layers inside `rows_apart()` and attends row by row instead (`row_attention`), so its rows give
+the same bits alone, in a window, in a tree or in a joint step; float spans keep the family's batched kernel (they
+compute what transformers computes).
 """
 
 from __future__ import annotations
@@ -17,9 +20,23 @@ from typing import Any
 
 import torch
 
+from .row_attention import row_attention
+
 PREFIX = "dsd_"
 # (query rows, key positions) of each session in the joint step running in this thread, or None outside one.
 _SEGMENTS: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar("dsd_joint_segments", default=None)
+# whether the layers running in this thread attend row by row (a quantized span's step)
+_ROWS: ContextVar[bool] = ContextVar("dsd_rows_apart", default=False)
+
+
+@contextmanager
+def rows_apart(on: bool = True) -> Iterator[None]:
+    """While open (and `on`), this thread's attention computes each query row on its own (`row_attention`)."""
+    token = _ROWS.set(on)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 @contextmanager
@@ -41,6 +58,8 @@ def _per_session(base: str) -> Any:
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         # eager is each family's own (soft caps, scaling), in the module's modeling file
         kernel = shared or sys.modules[type(module).__module__].eager_attention_forward
+        if _ROWS.get():
+            kernel = row_attention
         segments = _SEGMENTS.get()
         if segments is None:
             return kernel(module, query, key, value, attention_mask, **kwargs)

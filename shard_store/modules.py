@@ -16,9 +16,10 @@ from torch import nn
 
 from .errors import StoreError
 from .families import FamilyAdapter
-from .joint_attention import PREFIX, joint_segments, registered
+from .joint_attention import PREFIX, joint_segments, registered, rows_apart
 from .kv_cache import JointCache, SpanCache
-from .quant import Int4Linear, Int8Linear, format_of_dtype
+from .quant import QUANT_FORMATS, Int4Linear, Int8Embedding, Int8Linear, format_of_dtype
+from .rotary_table import RotaryTable
 from .tree_windows import check_parents, is_chain, tree_mask, tree_position_ids
 
 if TYPE_CHECKING:
@@ -30,9 +31,9 @@ class HeadModule(nn.Module):
 
     def __init__(
         self,
-        embed_tokens: nn.Embedding,
+        embed_tokens: nn.Embedding | Int8Embedding,
         norm: nn.Module,
-        lm_head: nn.Linear,
+        lm_head: nn.Linear | Int8Linear,
         config: PretrainedConfig,
         adapter: FamilyAdapter,
     ) -> None:
@@ -49,13 +50,13 @@ class HeadModule(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Weight dtype of the head."""
-        return self.embed_tokens.weight.dtype
+        """The dtype the head computes in (its final norm's; int8 ends compute in it too)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the head computes."""
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -127,6 +128,9 @@ class SpanModule(nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = adapter.new_rotary(config).to(next(self.layers.parameters()).device)
+        # a quantized span is batch-invariant: rows attend apart, each position's cos/sin alike in any window
+        self._invariant = self.weights in QUANT_FORMATS
+        self._rotary = RotaryTable(adapter, self.rotary_emb) if self._invariant else None
         if not str(config._attn_implementation).startswith(PREFIX):  # attention per session in a joint step
             config._attn_implementation = registered(config._attn_implementation)
         self._layer_types = adapter.layer_kinds(config)[start:end]
@@ -353,17 +357,20 @@ class SpanModule(nn.Module):
     ) -> torch.Tensor:
         """The layers over `hidden`, appending to `caches` (begun), which commit after the last layer or forget
         the window if one fails."""
-        rotations = self.adapter.rotate(self.rotary_emb, hidden, position_ids, set(self._layer_types))
+        kinds = set(self._layer_types)
+        rotations = (self._rotary.rotate(hidden, position_ids, kinds) if self._rotary is not None
+                     else self.adapter.rotate(self.rotary_emb, hidden, position_ids, kinds))
         try:
-            for layer, kind in zip(self.layers, self._layer_types, strict=True):
-                hidden = layer(
-                    hidden,
-                    attention_mask=masks[kind],
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    position_embeddings=rotations[kind],
-                )
+            with rows_apart(self._invariant):
+                for layer, kind in zip(self.layers, self._layer_types, strict=True):
+                    hidden = layer(
+                        hidden,
+                        attention_mask=masks[kind],
+                        position_ids=position_ids,
+                        cache=cache,
+                        use_cache=True,
+                        position_embeddings=rotations[kind],
+                    )
         except BaseException:
             for c in caches:
                 c.abort()

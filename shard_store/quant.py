@@ -138,6 +138,32 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class Int8Embedding(nn.Module):
+    """An embedding table held as int8 rows with a bf16 scale each (the rows of an int8 lm_head, which a tied model
+    shares); a looked-up row is its values times its scale, rounded to bf16 once."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids].to(torch.float32) * self.scales[ids].to(torch.float32)[..., None]
+        return rows.to(COMPUTE_DTYPE)
+
+
+def int8_head(embed: nn.Embedding, lm_head: nn.Linear, tied: bool) -> tuple[Int8Embedding, Int8Linear]:
+    """A head's embeddings and lm_head as int8 rows (per row scales): the logits come from the row-invariant int8
+    kernel, so a window's rows get the logits one-row steps get, at a quarter of fp32's bytes; tied, one matrix."""
+    q, s = int8_quantize(embed.weight)
+    out = Int8Linear(q, s)
+    emb = Int8Embedding(out.qweight, out.scales)
+    if not tied:
+        out = Int8Linear(*int8_quantize(lm_head.weight))
+    return emb, out
+
+
 def int4_group(in_features: int, out_features: int) -> int | None:
     """The int4 group size for a [out, in] weight, or None when the kernel cannot take it (stays bf16)."""
     if out_features % 16:

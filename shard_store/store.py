@@ -16,10 +16,13 @@ from .families import FamilyAdapter, adapter_for, config_from_dict
 from .manifest import EMBED_FILE, HEAD_FILE, TOKENIZER_DIR, Manifest, file_matches, layer_file
 from .modules import HeadModule, SpanModule
 from .quant import (
+    COMPUTE_DTYPE,
     FLOAT_FORMATS,
+    QUANT_FORMATS,
     check_weights,
     compute_dtype,
     format_of_dtype,
+    int8_head,
     load_stored,
     quantize_linears,
 )
@@ -154,8 +157,11 @@ class Store:
         except RuntimeError as exc:
             raise StoreError(f"store {self.path}: {relpath} does not fit the model: {exc}") from exc
 
-    def load_head(self, *, device: Device = None, dtype: Dtype = None) -> HeadModule:
-        """Embeddings, final norm and lm_head on `device` in `dtype`; reads embed.safetensors and head.safetensors only."""
+    def load_head(self, *, device: Device = None, dtype: Dtype = None, weights: str | None = None) -> HeadModule:
+        """Embeddings, final norm and lm_head on `device` in `dtype`; reads embed.safetensors and head.safetensors only.
+        The head of a quantized route (`weights` int8 | int4 | q4k, by default a quantized store's own), computing
+        in bf16 on the CPU, holds its embeddings and lm_head as int8 rows (`quant.int8_head`): its logits are
+        row-invariant, as the route's rows are, at a quarter of fp32's bytes."""
         dev, dt = self._placement(device, dtype)
         config = self.config()
         head_keys = {"norm.weight"} if self.manifest.tied_embeddings else {"norm.weight", "lm_head.weight"}
@@ -167,10 +173,14 @@ class Store:
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dt)
         self._assign(embed, {"weight": embed_t["embed_tokens.weight"]}, EMBED_FILE)
         self._assign(norm, {"weight": head_t["norm.weight"]}, HEAD_FILE)
-        if self.manifest.tied_embeddings:
+        tied = bool(self.manifest.tied_embeddings)
+        if tied:
             lm_head.weight = embed.weight
         else:
             self._assign(lm_head, {"weight": head_t["lm_head.weight"]}, HEAD_FILE)
+        fmt = weights or self.manifest.weights
+        if fmt in QUANT_FORMATS and dt == COMPUTE_DTYPE and dev.type == "cpu":
+            embed, lm_head = int8_head(embed, lm_head, tied)
         return HeadModule(embed, norm, lm_head, config, self.adapter)
 
     def _layer(self, config: PretrainedConfig, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:

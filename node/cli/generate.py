@@ -169,7 +169,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         setup, tokenizer = load_head_setup(args.store, draft, params, args.seed, load_head=not args.federated,
-                                           quant=args.draft_quant, device=place.device, dtype=place.dtype)
+                                           quant=args.draft_quant, device=place.device, dtype=place.dtype,
+                                           weights=place.weights)
         cfg = GenerationConfig(
             mode=args.mode, max_new_tokens=args.max_new_tokens, params=params, gamma=args.gamma,
             gamma_max=args.gamma_max, tau_max=args.tau_max if args.mode == "dsd-adaptive" else 0.0, seed=args.seed,

@@ -110,13 +110,15 @@ def draft_model(drafter: Drafter | None) -> torch.nn.Module | None:
 def load_head_setup(
     target_store: Path, draft: str | None, params: SamplingParams, seed: int, *, load_head: bool = True,
     quant: str = "none", device: torch.device | None = None, dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> tuple[HeadSetup, Any]:
     """The target's ends (unless `load_head` is False), its tokenizer and the drafter (its model quantized by
     `quant`), on `device` in compute `dtype` (default: the CPU, each store's dtype; see
-    `dsd.shard_store.devices.resolve_placement` for the `--device` / `--dtype` options)."""
+    `dsd.shard_store.devices.resolve_placement` for the `--device` / `--dtype` options); `weights` is the route's
+    format (a quantized one gives the head int8 ends: `Store.load_head`)."""
     store = Store(target_store)
     tokenizer = store.load_tokenizer()
-    head = store.load_head(device=device, dtype=dtype) if load_head else None
+    head = store.load_head(device=device, dtype=dtype, weights=weights) if load_head else None
     vocab_size = int(head.vocab_size) if head is not None else int(store.manifest.vocab_size)
     drafter = load_drafter(draft, params, seed, vocab_size=vocab_size, tokenizer=tokenizer, quant=quant,
                            device=device, dtype=dtype)

@@ -25,7 +25,8 @@ N_NEW = 24
 
 def whole(store: Store, fmt: str, spans: list[tuple[int, int]]) -> list[int]:
     """Greedy tokens of the model with every layer in `fmt`, in one process (the head in bf16, as a quantized head)."""
-    backend = LocalBackend(store.load_head(dtype=torch.bfloat16), [store.load_span(a, b, weights=fmt) for a, b in spans])
+    backend = LocalBackend(store.load_head(dtype=torch.bfloat16, weights=fmt),
+                           [store.load_span(a, b, weights=fmt) for a, b in spans])
     return trio.run(HeadEngine(backend, None, GenerationConfig(mode="ar", max_new_tokens=N_NEW)).run, PROMPT).tokens
 
 
@@ -60,7 +61,7 @@ def test_a_quantized_route_gives_the_quantized_models_own_greedy_tokens(
             mixed = generate("--mode", "ar", "--weights", "int8", "--blocks", f"{split}:{store.num_layers}",
                              "--mix-weights")
             assert mixed.returncode == 0, mixed.stderr[-3000:]
-            backend_spans = LocalBackend(store.load_head(dtype=torch.bfloat16),
+            backend_spans = LocalBackend(store.load_head(dtype=torch.bfloat16, weights="int8"),
                                          [store.load_span(0, split, weights="int4"),
                                           store.load_span(split, store.num_layers, weights="int8")])
             ref = trio.run(HeadEngine(backend_spans, None, GenerationConfig(mode="ar", max_new_tokens=N_NEW)).run,
