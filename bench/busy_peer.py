@@ -136,9 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="busy-"))
     if args.models == "real":
-        if not prepared():
-            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-        target = default_store_paths()["target"]
+        if not prepared(weights="fp32"):
+            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+        target = default_store_paths(weights="fp32")["target"]
     else:
         target = build_tiny_store(work / "tiny", layers=8)
     store = Store(target)

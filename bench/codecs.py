@@ -76,9 +76,9 @@ def real_hidden(tokens: int) -> tuple[dict[int, np.ndarray], np.ndarray | None, 
     out: dict[int, np.ndarray] = {}
     probs = None
     notes = []
-    for role, path in sorted(default_store_paths().items()):
+    for role, path in sorted(default_store_paths(weights="fp32").items()):
         if not store_complete(path):
-            notes.append(f"{role} store not prepared")
+            notes.append(f"{role} store not prepared in float32 (dsd-node models prepare --weights fp32)")
             continue
         store = Store(path)
         tok = store.load_tokenizer()

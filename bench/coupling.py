@@ -9,7 +9,7 @@ of it, with p and q the target's and the draft's warped distributions there:
 Reported per temperature: each prompt's mean acceptance under both rules and their ratio, with the median and
 spread over prompts.
 
-    python bench/coupling.py            # the default pair (needs `dsd-node models prepare`)
+    python bench/coupling.py            # the default pair in float32 (needs `dsd-node models prepare --weights fp32`)
     python bench/coupling.py --tiny     # a tiny random target drafting for a noisy copy: checks the script
 """
 
@@ -92,11 +92,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.tiny:
         target_path = draft_path = build_tiny_store(args.work / "coupling-tiny", layers=4, hidden=64)
-    elif prepared():
-        paths = default_store_paths()
+    elif prepared(weights="fp32"):
+        paths = default_store_paths(weights="fp32")
         target_path, draft_path = paths["target"], paths["draft"]
     else:
-        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare`, or pass --tiny")
+        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32`, or pass --tiny")
     tstore = Store(target_path)
     target, draft = tstore.load_full().eval(), Store(draft_path).load_full().eval()
     if args.tiny:

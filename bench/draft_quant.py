@@ -8,7 +8,7 @@ forced, one `propose(context, 1)` per token, exactly as the head drafts in `dsd`
 each call is one draft step, and its token counts as accepted when it equals the target's. The
 variants are interleaved (order alternating per repetition) so a busy machine affects both alike.
 
-    python bench/draft_quant.py            # the default pair (needs `dsd-node models prepare`)
+    python bench/draft_quant.py            # the default pair in float32 (needs `dsd-node models prepare --weights fp32`)
     python bench/draft_quant.py --tiny     # a tiny random target drafting for itself: checks the script
 """
 
@@ -24,7 +24,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS_DIR, build_tiny_store, byte_ids, run_metadata, today, write_json
+from harness import (
+    RESULTS_DIR,
+    build_tiny_store,
+    byte_ids,
+    real_tokenizer_store,
+    run_metadata,
+    today,
+    write_json,
+)
 
 PROBLEMS = ",".join(str(i) for i in range(0, 160, 16))  # 0,16,...,144: spread over the 164 problems
 VARIANTS = ("fp32", "int8")
@@ -46,12 +54,12 @@ def stores(args: argparse.Namespace) -> tuple[Path, Path] | None:
     """(target store, draft store); None when the real pair is not prepared."""
     from dsd.shard_store.default_models import default_store_paths, prepared
 
-    paths = default_store_paths()
+    paths = default_store_paths(weights="fp32")
     if args.tiny:
-        tok = paths["target"] if prepared() else None
+        tok = real_tokenizer_store()
         target = build_tiny_store(args.work / "draft_quant-tiny", tokenizer_store=tok, layers=4, hidden=64)
         return target, target
-    if not prepared():
+    if not prepared(weights="fp32"):
         return None
     return paths["target"], paths["draft"]
 
@@ -181,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     pair = stores(args)
     if pair is None:
-        msg = "the default pair is not prepared (run `dsd-node models prepare`); skipped. Use --tiny to check the script."
+        msg = "the default pair is not prepared in float32 (run `dsd-node models prepare --weights fp32`); skipped. Use --tiny to check the script."
         log(msg)
         print(json.dumps({"skipped": msg}))
         return 0

@@ -62,7 +62,7 @@ def tiny_stores(root: Path) -> dict[str, Path]:
 def real_stores() -> dict[str, Path]:
     from dsd.shard_store.default_models import default_store_paths
 
-    paths = default_store_paths()
+    paths = default_store_paths(weights="fp32")
     return {"worker_a": paths["target"], "worker_b": paths["draft"], "draft": paths["draft"]}
 
 
@@ -230,7 +230,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from dsd.shard_store.default_models import prepared
 
-    tiny = args.quick or args.tiny or not prepared()
+    tiny = args.quick or args.tiny or not prepared(weights="fp32")
     tmp = Path(tempfile.mkdtemp(prefix="fedbench-models-"))
     stores = tiny_stores(tmp) if tiny else real_stores()
     n_prompts = 1 if args.quick else args.prompts

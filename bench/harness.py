@@ -198,6 +198,14 @@ def build_tiny_store(folder: Path, *, tokenizer_store: Path | None = None, layer
     return store
 
 
+def real_tokenizer_store() -> Path | None:
+    """The default target's store in any format prepared here (each holds the same tokenizer), else None."""
+    from dsd.shard_store.default_models import TARGET, prepared_kinds, store_path
+
+    kinds = prepared_kinds(roles=("target",))
+    return store_path(TARGET, None, kinds[0]) if kinds else None
+
+
 def byte_ids(text: str) -> list[int]:
     """Token ids for a tokenizer-less tiny model: the UTF-8 bytes."""
     return list(text.encode("utf-8"))

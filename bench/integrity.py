@@ -295,9 +295,9 @@ def gaps_main(argv: Sequence[str]) -> int:
 
     torch.set_num_threads(args.threads)
     if args.store is None:
-        args.store = default_store_paths()["target"]
+        args.store = default_store_paths(weights="fp32")["target"]
         if not store_complete(args.store):
-            p.error("the default target is not prepared: run `dsd-node models prepare` first")
+            p.error("the default target is not prepared: run `dsd-node models prepare --weights fp32` first")
     out = args.out or RESULTS_DIR / f"integrity-gaps-{today()}.json"
     store = Store(args.store)
     result: dict[str, Any] = {
@@ -502,8 +502,8 @@ def calibrate_main(argv: Sequence[str]) -> int:
     from dsd.shard_store import Store
     from dsd.shard_store.default_models import default_store_paths, prepared
 
-    if "real" in models and not prepared():
-        p.error("the default target is not prepared: run `dsd-node models prepare` first")
+    if "real" in models and not prepared(weights="fp32"):
+        p.error("the default target is not prepared: run `dsd-node models prepare --weights fp32` first")
     torch.set_num_threads(args.threads)
     out = args.out or RESULTS_DIR / f"audit-calibration-{today()}.json"
     result: dict[str, Any] = {
@@ -537,7 +537,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
             continue
         started = time.monotonic()
         if m == "real":
-            store = Store(default_store_paths()["target"])
+            store = Store(default_store_paths(weights="fp32")["target"])
             prompts = prompt_ids(store, problems, chat=False)
         else:  # the bench's tiny target and its prompts, as soak.load_models makes them
             store = Store(build_tiny_store(args.work / "target", layers=8))

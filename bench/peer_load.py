@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     from dsd.shard_store import Store
     from dsd.shard_store.default_models import default_store_paths, prepared
 
-    if not prepared():
-        p.error("the default pair is not prepared: run `dsd-node models prepare` first")
+    if not prepared(weights="fp32"):
+        p.error("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
     torch.set_num_threads(args.threads)
-    store = Store(default_store_paths()["target"])
+    store = Store(default_store_paths(weights="fp32")["target"])
     span = store.load_span(0, args.layers)
     head = store.load_head()
     tok = store.load_tokenizer()

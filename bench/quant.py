@@ -185,11 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = args.formats.split(",")
     if chosen[0] != "fp32" or not set(chosen) <= set(ALL_FORMATS):
         p.error(f"--formats: fp32 first, then any of {', '.join(ALL_FORMATS[1:])}")
-    if not prepared():
-        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
+    if not prepared(weights="fp32"):
+        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
     out = args.out or RESULTS_DIR / f"quant-{today()}.json"
     torch.set_num_threads(args.threads)
-    store = Store(default_store_paths()["target"])
+    store = Store(default_store_paths(weights="fp32")["target"])
     stores = {fmt: store for fmt in chosen}
     if "q4k" in chosen:
         log("the target's q4k store (from the pinned GGUF, once)")

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     found = divergences(json.loads(args.sweep.read_text()))
-    store = Store(default_store_paths()["target"])
+    store = Store(default_store_paths(weights="fp32")["target"])
     tokenizer = store.load_tokenizer()
     head = store.load_head(dtype=torch.bfloat16)
     span = store.load_span(0, store.num_layers, weights=args.weights)

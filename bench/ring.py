@@ -27,6 +27,7 @@ from harness import (
     comma_list,
     model_kinds,
     plan_once,
+    real_tokenizer_store,
     run_metadata,
     testnet,
     today,
@@ -92,11 +93,11 @@ def run(models: str, latency_ms: float, peers: int, reps: int, work: Path) -> di
     from dsd.shard_store.default_models import default_store_paths, prepared
 
     if models == "real":
-        if not prepared():
-            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-        path = default_store_paths()["target"]
+        if not prepared(weights="fp32"):
+            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+        path = default_store_paths(weights="fp32")["target"]
     else:
-        path = build_tiny_store(work / "tiny", tokenizer_store=default_store_paths()["target"] if prepared() else None)
+        path = build_tiny_store(work / "tiny", tokenizer_store=real_tokenizer_store())
     store = Store(path)
     t0 = measure_t0(store, max(1, store.num_layers // peers))
     print(f"[{models} latency {latency_ms:g} ms] t0 {t0 * 1000:.1f} ms; starting {peers} peers", file=sys.stderr, flush=True)

@@ -41,6 +41,7 @@ from harness import (
     comma_list,
     model_kinds,
     percentile,
+    real_tokenizer_store,
     run_metadata,
     spread,
     testnet,
@@ -155,11 +156,12 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 
     work: Path = args.state / f"serve_load-{kind}"
     if kind == "real":
-        if not prepared():
-            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-        target, draft = default_store_paths()["target"], str(default_store_paths()["draft"])
+        if not prepared(weights="fp32"):
+            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+        paths = default_store_paths(weights="fp32")
+        target, draft = paths["target"], str(paths["draft"])
     else:
-        target = build_tiny_store(work / "tiny", tokenizer_store=default_store_paths()["target"] if prepared() else None)
+        target = build_tiny_store(work / "tiny", tokenizer_store=real_tokenizer_store())
         draft = str(target)  # the tiny target drafts for itself
     store = Store(target)
     tokenizer = store.load_tokenizer()

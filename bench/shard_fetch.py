@@ -47,9 +47,9 @@ def store_for(kind: str, work: Path, hidden: int) -> Path:
         return build_tiny_store(work / f"tiny-{hidden}", hidden=hidden, layers=8)
     from dsd.shard_store.default_models import default_store_paths, prepared
 
-    if not prepared():
-        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-    return default_store_paths()["target"]
+    if not prepared(weights="fp32"):
+        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+    return default_store_paths(weights="fp32")["target"]
 
 
 def start_seeders(store: Path, count: int, state: Path, timeout_s: float) -> tuple[str, list[Any]]:

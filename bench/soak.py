@@ -97,9 +97,9 @@ def load_models(kind: str, work: Path) -> Models:
         target = build_tiny_store(work / "target", layers=8)
         draft = build_tiny_store(work / "draft", layers=2, seed=1)
         return Models(target, draft, {i: byte_ids(problems[i]["prompt"])[-96:] for i in PROBLEMS}, frozenset(), ())
-    if not prepared():
-        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-    paths = default_store_paths()
+    if not prepared(weights="fp32"):
+        raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+    paths = default_store_paths(weights="fp32")
     store = Store(paths["target"])
     tok = store.load_tokenizer()
     prompts = {i: list(tok(problems[i]["prompt"])["input_ids"]) for i in PROBLEMS}

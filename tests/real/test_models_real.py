@@ -1,6 +1,7 @@
-"""The default model pair: chunk assembly with sha256 checks (on fake packages, runs in CI), and on the
-real prepared pair (marked realmodels, skipped when absent): spans of the 1.5B target over 4 spans
-reproduce the whole model's greedy tokens, and `models prepare` is idempotent."""
+"""The default model pair: chunk assembly with sha256 checks and `models prepare` writing q4k stores by default
+and float ones on request beside them (on fake packages holding a tiny Q4_K GGUF, runs in CI), and on the real
+prepared pair (marked realmodels, skipped when absent): spans of the float32 1.5B target over 4 spans reproduce
+the whole model's greedy tokens, and `models prepare` is idempotent."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.real import needs_pair, realmodels
+from safetensors.torch import load_file
+from support.gguf_files import write_q4k_gguf
+from support.real import needs_fp32_pair, needs_pair, realmodels
 
 from dsd.shard_store import Store, StoreError
 from dsd.shard_store.default_models import (
     DEFAULT_PAIR,
+    DEFAULT_WEIGHTS,
     DRAFT,
     PIP_HINT,
     TARGET,
@@ -38,9 +42,13 @@ from dsd.shard_store.default_models import (
     prepare,
     prepare_model,
     prepared,
+    prepared_kinds,
+    require_prepared,
     store_complete,
+    store_kind,
     store_path,
 )
+from dsd.shard_store.manifest import layer_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,16 +175,16 @@ def test_prepare_skips_a_complete_store_without_touching_packages(
         size=1,
     )
     cache = tmp_path / "cache"
-    store = store_path(ghost, cache)
+    store = store_path(ghost, cache, "fp32")
     shutil.copytree(tiny_qwen2_store, store)
-    step = prepare_model(ghost, cache)
+    step = prepare_model(ghost, cache, weights="fp32")
     assert not step.did_work and step.store == store
     # an incomplete store is not "prepared": the next run would rebuild it, and here it needs packages
     layer = next((store / "layers").iterdir())
     layer.write_bytes(layer.read_bytes()[:-1])
     assert not store_complete(store)
     with pytest.raises(StoreError, match="dsd-no-such-package-part1==1.0"):
-        prepare_model(ghost, cache)
+        prepare_model(ghost, cache, weights="fp32")
 
 
 def _ghost(role: str) -> DefaultModel:
@@ -227,16 +235,98 @@ def test_cli_prepare_with_complete_stores_does_nothing_and_prints_summary(
 
     pair = (_ghost("target"), _ghost("draft"))
     monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
-    shutil.copytree(tiny_qwen2_store, store_path(pair[0], tmp_path))
-    shutil.copytree(tiny_qwen2_draft_store, store_path(pair[1], tmp_path))
-    assert _run_cli(["models", "prepare", "--cache", str(tmp_path)]) == 0
+    shutil.copytree(tiny_qwen2_store, store_path(pair[0], tmp_path, "fp32"))
+    shutil.copytree(tiny_qwen2_draft_store, store_path(pair[1], tmp_path, "fp32"))
+    assert _run_cli(["models", "prepare", "--cache", str(tmp_path), "--weights", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "nothing to do" in out
-    assert f"target store: {store_path(pair[0], tmp_path)}" in out
-    assert f"draft store: {store_path(pair[1], tmp_path)}" in out
+    assert "already prepared as float32" in out and "nothing to do" in out
+    assert f"target store: {store_path(pair[0], tmp_path, 'fp32')}" in out
+    assert f"draft store: {store_path(pair[1], tmp_path, 'fp32')}" in out
     rows = [line for line in out.splitlines() if "tiny-qwen2" in line]
     assert len(rows) == 2 and all("float32" in r and " 64 " in r for r in rows)
     assert any(" 5 " in r for r in rows) and any(" 2 " in r for r in rows)  # layers of target, draft
+
+
+def _gguf_model(site: Path, role: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> DefaultModel:
+    """A default-model entry whose two chunk packages join into a tiny Qwen2 GGUF with Q4_K (and Q4_0, Q8_0) blocks,
+    as the real pair's Q4_K_M files hold them."""
+    gguf = write_q4k_gguf(site.parent / f"tiny-{role}.gguf", layers=2, seed=seed)
+    data = gguf.read_bytes()
+    prefix = f"dsdgguf-{role}-{site.parent.name.lower().replace('_', '-')}-part"
+    _fake_packages(site, prefix, [data[: len(data) // 2], data[len(data) // 2 :]])
+    monkeypatch.syspath_prepend(str(site))
+    return DefaultModel(role=role, model_id=f"Tiny-{role}", package_prefix=prefix, version="1.0", num_parts=2,
+                        gguf_name=gguf.name, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+
+
+def test_prepare_keeps_the_ggufs_own_blocks_and_writes_fp32_beside_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default format is q4k: the store holds the file's 4-bit blocks; `weights="fp32"` writes a float32 store
+    of its own next to it (the GGUF assembled again: it was removed), and neither touches the other."""
+    from dsd.shard_store import default_models
+
+    model = _gguf_model(tmp_path / "site", "target", 3, monkeypatch)
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", (model,))
+    cache = tmp_path / "cache"
+    step = prepare_model(model, cache)
+    assert step.assembled and step.converted and step.gguf_removed
+    assert step.store == store_path(model, cache) and step.store.name == "Tiny-target-q4k"
+    q4k = Store(step.store, verify=True)
+    assert q4k.manifest.weights == "q4k" and q4k.manifest.dtype == "bfloat16"
+    tensors = load_file(str(step.store / layer_file(0)))
+    assert tensors["self_attn.q_proj.q4"].dtype == torch.uint8 and "mlp.up_proj.q4" in tensors
+    assert tensors["self_attn.v_proj.qweight"].dtype == torch.int8  # Q8_0: int8 per channel
+    written = (step.store / "manifest.json").stat().st_mtime_ns
+    assert prepared_kinds(cache, roles=("target",)) == ["q4k"]
+
+    fp32 = prepare_model(model, cache, weights="fp32")
+    assert fp32.assembled and fp32.converted and fp32.store == store_path(model, cache, "float32")
+    assert fp32.store.name == "Tiny-target-float32"
+    floats = Store(fp32.store, verify=True)
+    assert not floats.manifest.weights and floats.manifest.dtype == "float32"
+    assert store_complete(step.store) and (step.store / "manifest.json").stat().st_mtime_ns == written
+    assert prepared_kinds(cache, roles=("target",)) == ["float32", "q4k"]
+    assert not prepare_model(model, cache).did_work  # both are there: nothing to do
+    with pytest.raises(StoreError, match=r"not prepared as int4 .*\(prepared here already: float32, q4k\): run "
+                                         r"`dsd-node models prepare --weights int4`"):
+        require_prepared(cache, "int4", roles=("target",))
+    assert require_prepared(cache, "fp32", roles=("target",))["target"] == fp32.store
+
+
+def test_cli_prepare_writes_q4k_by_default_and_fp32_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dsd.shard_store import default_models
+
+    pair = (_gguf_model(tmp_path / "site-t", "target", 3, monkeypatch),
+            _gguf_model(tmp_path / "site-d", "draft", 4, monkeypatch))
+    monkeypatch.setattr(default_models, "DEFAULT_PAIR", pair)
+    cache = tmp_path / "cache"
+    assert _run_cli(["models", "prepare", "--cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 2 and all(" q4k " in r and "bfloat16" in r for r in rows), out
+    assert f"target store: {store_path(pair[0], cache, 'q4k')}" in out and "also prepared" not in out
+    assert prepared(cache) and not prepared(cache, "fp32")
+
+    assert _run_cli(["models", "prepare", "--cache", str(cache), "--weights", "fp32"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"draft store: {store_path(pair[1], cache, 'fp32')}" in out
+    assert "also prepared here, kept as they are: q4k" in out
+    assert prepared(cache) and prepared(cache, "fp32")
+    assert _run_cli(["models", "prepare", "--cache", str(cache), "--dtype", "float32"]) == 0  # --dtype: a float store
+    assert "already prepared as float32" in capsys.readouterr().out
+    assert _run_cli(["models", "prepare", "--cache", str(cache), "--dtype", "bfloat16", "--weights", "q4k"]) == 2
+    assert "--dtype bfloat16 writes bf16 stores, not --weights q4k" in capsys.readouterr().err
+
+
+def test_prepare_formats_match_the_library() -> None:
+    """`models prepare --weights` offers what `default_models` prepares (spelled out so `--help` loads no torch)."""
+    from dsd.node.cli.models import PREPARE_FORMATS as OFFERED
+    from dsd.shard_store.default_models import PREPARE_FORMATS
+
+    assert OFFERED == PREPARE_FORMATS
 
 
 def test_cli_turns_tqdm_into_bar_detail_and_passes_other_stderr() -> None:
@@ -271,7 +361,14 @@ def test_cache_and_store_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert set(paths) == {"target", "draft"}
     assert paths["target"].parent == paths["draft"].parent == tmp_path / "arg" / "stores"
     assert paths["target"] != paths["draft"]
-    assert default_store_paths(tmp_path, dtype="bfloat16")["target"] != default_store_paths(tmp_path)["target"]
+    assert default_store_paths(tmp_path, "bfloat16")["target"] != default_store_paths(tmp_path)["target"]
+    assert default_store_paths(tmp_path, "bf16") == default_store_paths(tmp_path, "bfloat16")
+    # q4k by default; a float format keeps the name float stores always had, so stores prepared before are found
+    assert DEFAULT_WEIGHTS == "q4k" and paths["target"].name == "Qwen2.5-Coder-1.5B-Instruct-q4k"
+    assert default_store_paths(tmp_path / "arg", "fp32")["draft"].name == "Qwen2.5-Coder-0.5B-Instruct-float32"
+    assert store_kind("fp32") == store_kind("float32") == "float32" and store_kind("int4") == "int4"
+    with pytest.raises(StoreError, match="choose one of q4k, int8, int4, fp32, bf16, fp16"):
+        store_kind("q8")
     assert not prepared(tmp_path / "arg")
     monkeypatch.delenv("DSD_CACHE")
     assert default_cache() == Path.home() / ".cache" / "dsd" / "models"
@@ -311,15 +408,15 @@ def test_humaneval_prompt_fallback_is_problem_0() -> None:
 
 
 @realmodels
-@needs_pair
+@needs_fp32_pair
 @torch.no_grad()
 def test_real_target_over_4_spans_matches_whole_model_greedy() -> None:
-    """Head -> 4 uneven spans -> head gives the whole 1.5B model's 16 greedy tokens, token for token."""
+    """Head -> 4 uneven spans -> head gives the whole float32 1.5B model's 16 greedy tokens, token for token."""
     from transformers import DynamicCache
 
     torch.set_num_threads(2)
     n_new = 16
-    store = Store(default_store_paths()["target"])
+    store = Store(default_store_paths(weights="fp32")["target"])
     assert store.num_layers == 28
     tok = store.load_tokenizer()
     assert tok is not None

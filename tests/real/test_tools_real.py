@@ -1,6 +1,7 @@
 """The real pair answers a weather question with a `get_weather` call and then uses the tool's answer, through a
 real 2-peer testnet and `dsd-node serve`, with the official `openai` client (greedy, so the exchange is the
-target's own). Marked realmodels: skipped where the pair is not prepared, never run in CI."""
+target's own), in float32 (the exchange docs/usage.md shows). Marked realmodels: skipped where the float32 pair is
+not prepared, never run in CI."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 import openai
 import pytest
 from support.processes import cli_serve, cli_testnet
-from support.real import needs_pair, realmodels
+from support.real import needs_fp32_pair, realmodels
 
 from dsd.shard_store.default_models import default_store_paths
 
-pytestmark = [realmodels, needs_pair, pytest.mark.network, pytest.mark.timeout(1200)]
+pytestmark = [realmodels, needs_fp32_pair, pytest.mark.network, pytest.mark.timeout(1200)]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -25,7 +26,7 @@ SYSTEM = ("You are a helpful assistant. Call a tool when you need data; once a t
 
 
 def test_the_real_pair_calls_get_weather_and_then_uses_its_answer(tmp_path: Path) -> None:
-    paths = default_store_paths()
+    paths = default_store_paths(weights="fp32")
     (tmp_path / "net").mkdir()
     (tmp_path / "serve").mkdir()
     with cli_testnet(tmp_path / "net", "--store", str(paths["target"]), "--peers", "2") as net, \

@@ -57,6 +57,17 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, tokenizer: Any = None, *
     writer.close()
 
 
+def write_q4k_gguf(path: Path, *, layers: int = 4, seed: int = 5) -> Path:
+    """A tiny Qwen2 (hidden 256: whole Q4_K super-blocks) with a tokenizer as a GGUF whose linears hold Q4_K, Q4_0 and
+    Q8_0 blocks, as a Q4_K_M file's do: what `convert --weights q4k` and `models prepare` take. Returns `path`."""
+    from .models import make_tiny_model, tiny_tokenizer
+
+    model = make_tiny_model("qwen2", layers=layers, hidden_size=256, intermediate_size=256, seed=seed)
+    write_tiny_gguf(model, path, tiny_tokenizer(),
+                    types={"attn_q": "Q4_K", "attn_k": "Q4_0", "ffn_": "Q4_K", "attn_v": "Q8_0"})
+    return path
+
+
 def quantized_blocks(array: np.ndarray, kind: str) -> np.ndarray:
     """A float [n, k] array as the raw bytes of GGML type `kind` ([n, bytes per row])."""
     import gguf
