@@ -228,28 +228,41 @@ class Store:
         check_weights(held, device)
         layers = []
         for i in range(start, end):
-            relpath = layer_file(i)
-            path = self._checked(relpath)
             with torch.device("meta"):
                 layer = self.adapter.new_decoder_layer(config, i)
-            try:
-                tensors = load_file(str(path))
-            except Exception as exc:  # safetensors raises its own error types on corrupt files
-                raise StoreError(f"store {self.path}: cannot read {relpath}: {exc}") from exc
-            left = load_stored(layer, tensors)
-            if left:
-                raise StoreError(f"store {self.path}: {relpath} does not fit the model as {held} weights: {left}")
-            layers.append(layer)
+            layers.append(self._stored_layer(layer, i))
         return SpanModule(self.adapter, config, start, end, layers, held)
 
+    def _stored_layer(self, layer: nn.Module, index: int) -> nn.Module:
+        """Fill decoder layer `index`, built on the meta device, from a quantized store's file as it holds it."""
+        relpath = layer_file(index)
+        path = self._checked(relpath)
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            raise StoreError(f"store {self.path}: cannot read {relpath}: {exc}") from exc
+        left = load_stored(layer, tensors)
+        if left:
+            raise StoreError(f"store {self.path}: {relpath} does not fit the model as {self.manifest.weights} "
+                             f"weights: {left}")
+        return layer
+
     def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:
-        """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model."""
+        """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model.
+        A quantized store's model holds its layers as its spans do (packed linears, bf16, the CPU only: a draft
+        drafts on the same kernels the route's peers run), its embeddings and lm_head in the store's bf16."""
         from transformers import AutoModelForCausalLM
 
-        if self.manifest.weights:
-            raise StoreError(f"store {self.path} holds {self.manifest.weights} layers: a whole transformers model "
-                             "(a draft) loads from a float store")
+        held = self.manifest.weights
         dev, dt = self._placement(device, dtype)
+        if held:
+            try:
+                check_weights(held, dev)
+            except ValueError as exc:
+                raise StoreError(f"store {self.path}: {exc}") from None
+            if dt != self.dtype:
+                raise StoreError(f"store {self.path} holds {held} layers, which compute in {self.manifest.dtype}, "
+                                 f"not {dt}: load it without a dtype")
         config = self.config()
         config.dtype = dt
         with torch.device("meta"):
@@ -263,10 +276,21 @@ class Store:
         state[a.lm_head_key] = head_t.get("lm_head.weight", state[a.embed_key])
         for i in range(self.num_layers):
             prefix = f"{a.layer_prefix}{i}."
+            if held:
+                self._stored_layer(model.get_submodule(prefix[:-1]), i)
+                continue
             expected = {k[len(prefix) :] for k in model.state_dict() if k.startswith(prefix)}
             for key, tensor in self._read_to(layer_file(i), expected, dev, dt).items():
                 state[prefix + key] = tensor
-        self._assign(model, state, "the weight files")
+        if held:  # the layers are filled already: assign the ends alone
+            try:
+                unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+            except RuntimeError as exc:
+                raise StoreError(f"store {self.path}: the head's files do not fit the model: {exc}") from exc
+            if unexpected:
+                raise StoreError(f"store {self.path}: the head's files hold tensors the model lacks: {unexpected}")
+        else:
+            self._assign(model, state, "the weight files")
         if self.manifest.tied_embeddings:
             model.lm_head.weight = model.get_input_embeddings().weight
         _rebuild_meta_buffers(model, config)

@@ -66,7 +66,9 @@ def load_drafter(
 
     The draft model loads on `device` in `dtype` (default: the CPU, its store's dtype). `quant`
     ("none" or "int8") is applied to it after loading: int8 is CPU-only and computes in float32,
-    so it loads the draft in float32 whatever `dtype` says. A draft with another vocabulary is refused.
+    so it loads the draft in float32 whatever `dtype` says. A quantized draft store (q4k: the draft GGUF's
+    own blocks) is held as it is and computes in bf16 on the packed kernels, whatever `dtype` says; it takes
+    no `quant`. A draft with another vocabulary is refused.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -79,7 +81,15 @@ def load_drafter(
         return NgramDrafter()
     check_quant_device(quant, device)
     dstore = Store(Path(store))
-    model = quantize_draft_model(dstore.load_full(device=device, dtype=torch.float32 if quant == "int8" else dtype), quant)
+    held = dstore.manifest.weights
+    if held and quant != "none":
+        raise ValueError(f"draft store {store} holds {held} weights already: give it --draft-quant none, or "
+                         f"--draft-quant {quant} a float draft store")
+    if held:
+        model = dstore.load_full(device=device)
+    else:
+        model = quantize_draft_model(dstore.load_full(device=device, dtype=torch.float32 if quant == "int8" else dtype),
+                                     quant)
     drafter = ModelDrafter(model, params, GumbelNoise(seed))
     drafter.check_compatible(vocab_size, tokenizer, dstore.load_tokenizer())
     return HybridDrafter(drafter) if ngram else drafter

@@ -277,3 +277,35 @@ def test_draft_quant_needs_a_draft_model(tiny_qwen2_root) -> None:
         load_head_setup(tiny_qwen2_root / "store", "ngram", SamplingParams(), 0, quant="int8")
     with pytest.raises(ValueError, match="unknown draft quantization"):
         load_head_setup(tiny_qwen2_root / "store", "ngram", SamplingParams(), 0, quant="fp8")
+
+
+def test_a_q4k_draft_store_drafts_on_the_packed_kernels_as_it_is_held(tiny_qwen2_root, tmp_path) -> None:
+    """A draft store converted with `--weights q4k` (the draft GGUF's own blocks, what `models prepare` makes) loads
+    whole as it is held: its layers' linears on the packed kernels, bf16 whatever the head computes in, the same
+    model its spans compute; it takes no --draft-quant, and the target's greedy output stays exact through it."""
+    from support.gguf_files import write_q4k_gguf
+
+    from dsd.node.head.setup import draft_model
+    from dsd.shard_store import convert
+    from dsd.shard_store.quant import Int4Linear, Int8Linear
+
+    draft = tmp_path / "draft-q4k"
+    convert(write_q4k_gguf(tmp_path / "draft.gguf", layers=2), draft, weights="q4k")
+    target = tiny_qwen2_root / "store"
+    setup, _tok = load_head_setup(target, str(draft), SamplingParams(), 0, dtype=torch.float32)
+    model = draft_model(setup.drafter)
+    assert model is not None and model.dtype == torch.bfloat16
+    kinds = {name: type(m) for layer in model.model.layers for name, m in layer.named_modules()}
+    assert kinds["self_attn.q_proj"] is kinds["mlp.up_proj"] is Int4Linear and kinds["self_attn.v_proj"] is Int8Linear
+    assert [n for n, kind in kinds.items() if kind is torch.nn.Linear] == ["self_attn.o_proj"]  # F32 in the file
+    span, ids = Store(draft).load_span(0, 2), torch.tensor([[1, 17, 42, 99, 5, 17, 42]])
+    with torch.inference_mode():  # the layers in order, as the spans hold them (bf16 attention aside)
+        whole = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].float()
+        spans = model.model.norm(span(model.model.embed_tokens(ids), 0, span.new_cache())).float()
+    assert ((whole - spans).norm() / spans.norm()).item() < 0.02
+    with pytest.raises(ValueError, match="holds q4k weights already: give it --draft-quant none"):
+        load_head_setup(target, str(draft), SamplingParams(), 0, quant="int8")
+    prompt, n = [1, 17, 42, 99, 5, 17, 42], 16
+    backend = LocalBackend(Store(target).load_head(), [Store(target).load_span(0, 5)])
+    result = trio.run(HeadEngine(backend, setup.drafter, GenerationConfig(mode="dsd", max_new_tokens=n)).run, prompt)
+    assert result.tokens == _hf_reference(tiny_qwen2_root / "hf", prompt, n) and result.drafted > 0
