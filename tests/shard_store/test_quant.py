@@ -145,8 +145,8 @@ def test_a_quantized_store_holds_the_packed_bytes_and_serves_what_quantizing_at_
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_packed_linear_gives_a_row_the_same_numbers_alone_or_in_a_window(fmt: str) -> None:
-    """The kernels are row-invariant: a window's rows come out bit for bit as one-row steps (what keeps a quantized
-    route's windows and `ar` steps apart only by attention's rounding; docs/quantization.md)."""
+    """The kernels are row-invariant: a window's rows come out bit for bit as one-row steps (with row attention around
+    them, a quantized span's whole step is: test_batch_invariance.py, docs/quantization.md)."""
     torch.manual_seed(0)
     linear = nn.Linear(256, 512)
     packed = Int8Linear.from_linear(linear) if fmt == "int8" else Int4Linear.from_linear(linear, 128)
