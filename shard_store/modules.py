@@ -129,8 +129,9 @@ class SpanModule(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = adapter.new_rotary(config).to(next(self.layers.parameters()).device)
         # a quantized span is batch-invariant: rows attend apart, each position's cos/sin alike in any window
-        self._invariant = self.weights in QUANT_FORMATS
-        self._rotary = RotaryTable(adapter, self.rotary_emb) if self._invariant else None
+        # (float spans compute what transformers computes; a benchmark may switch it to measure its cost)
+        self.batch_invariant = self.weights in QUANT_FORMATS
+        self._rotary = RotaryTable(adapter, self.rotary_emb)
         if not str(config._attn_implementation).startswith(PREFIX):  # attention per session in a joint step
             config._attn_implementation = registered(config._attn_implementation)
         self._layer_types = adapter.layer_kinds(config)[start:end]
@@ -358,10 +359,10 @@ class SpanModule(nn.Module):
         """The layers over `hidden`, appending to `caches` (begun), which commit after the last layer or forget
         the window if one fails."""
         kinds = set(self._layer_types)
-        rotations = (self._rotary.rotate(hidden, position_ids, kinds) if self._rotary is not None
+        rotations = (self._rotary.rotate(hidden, position_ids, kinds) if self.batch_invariant
                      else self.adapter.rotate(self.rotary_emb, hidden, position_ids, kinds))
         try:
-            with rows_apart(self._invariant):
+            with rows_apart(self.batch_invariant):
                 for layer, kind in zip(self.layers, self._layer_types, strict=True):
                     hidden = layer(
                         hidden,
