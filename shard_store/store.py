@@ -181,6 +181,9 @@ class Store:
         fmt = weights or self.manifest.weights
         if fmt in QUANT_FORMATS and dt == COMPUTE_DTYPE and dev.type == "cpu":
             embed, lm_head = int8_head(embed, lm_head, tied)
+            # a copy: the norm's view would keep head.safetensors mapped, its lm_head pages read while quantizing
+            # resident (an 8B model's: 1 GB)
+            norm.weight.data = norm.weight.data.clone()
         return HeadModule(embed, norm, lm_head, config, self.adapter)
 
     def _layer(self, config: PretrainedConfig, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
