@@ -170,8 +170,9 @@ def span_figures(args: argparse.Namespace, store: Any) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, int(store.manifest.vocab_size), (1, args.prompt_len), generator=gen)
+    head = store.load_head()
     with torch.inference_mode():
-        hidden = store.load_head().embed(ids).clone()
+        hidden = head.embed(ids).clone()
     per_span, per_layer = [], {w: [] for w in WINDOWS}
     for start, end in even_spans(store.num_layers, args.peers):
         before = rss_mb(os.getpid())["now"]
@@ -207,6 +208,7 @@ def span_figures(args: argparse.Namespace, store: Any) -> dict[str, Any]:
         gc.collect()
     return {
         "threads": args.threads, "prompt_len": args.prompt_len, "reps": args.t0_reps, "spans": per_span,
+        "head_lm_head": type(head.lm_head).__name__,
         "finite_through_all_layers": all(r["finite"] for r in per_span),
         "t0_ms": {str(w): spread([v * 1000 for v in per_layer[w]]) for w in WINDOWS},
         "bench_peak_rss_mb_after_spans": self_peak_mb(),
@@ -223,16 +225,22 @@ def dsd_node(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess
 
 
 def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dict[str, Any]:
-    """One `dsd-node generate --mode ar` head process: its report's figures and its peak RSS (from wait4)."""
+    """One `dsd-node generate --mode ar` head process: its report's figures, its peak RSS and its RSS at the end
+    (VmHWM and VmRSS, read every 0.25 s until it exits)."""
     cmd = [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", bootstrap, "--store", str(args.store),
            "--mode", "ar", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(args.max_new_tokens),
            "--wan-latency-ms", str(args.latency_ms), "--json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
+        rss: dict[str, float] = {}
+        while proc.poll() is None:  # its own VmHWM: wait4's ru_maxrss would count this process's peak (fork, exec)
+            try:
+                rss = rss_mb(proc.pid)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.25)
         wall = time.perf_counter() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         text, errors = out.read(), err.read()
@@ -240,8 +248,8 @@ def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dic
         raise SystemExit(f"generate failed ({proc.returncode}):\n{errors[-3000:]}")
     report = json.loads(text.strip().splitlines()[-1])
     return {"new_tokens": report["new_tokens"], "tokens_per_s": report["tokens_per_s"], "elapsed_s": report["elapsed_s"],
-            "prefill_s": report["prefill_s"], "process_s": round(wall, 2), "head_peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "tokens": report["tokens"]}
+            "prefill_s": report["prefill_s"], "process_s": round(wall, 2), "head_peak_rss_mb": rss.get("peak"),
+            "head_rss_at_end_mb": rss.get("now"), "tokens": report["tokens"]}
 
 
 def route_figures(args: argparse.Namespace, state_dir: Path, result: dict[str, Any]) -> None:
@@ -300,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--up-timeout", type=float, default=1200.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--note", action="append", default=[], help="a line for the result's notes (repeatable)")
     args = p.parse_args(argv)
     args.store = args.store or default_cache() / "stores" / f"random-{args.config}-q4k"
     out = args.out or RESULTS_DIR / f"bigmodel-{today()}.json"
@@ -330,11 +339,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         route_figures(args, Path(tmp) / "net", result)
     gens = result["generations"]
     result["tokens_per_s"] = spread([g["tokens_per_s"] for g in gens], 4)
-    result["head_rss_mb"] = max(g["head_peak_rss_mb"] for g in gens)
+    result["head_rss_mb"] = {"peak": max(g["head_peak_rss_mb"] for g in gens),
+                             "at_end": max(g["head_rss_at_end_mb"] for g in gens)}
     result["peer_rss_mb"] = {row["name"]: row["rss_after_generate_mb"] for row in result["peers"]}
     result["uptime_after"] = uptime()
     result["beside_after"] = beside(set())
-    result["notes"] = notes(result)
+    result["notes"] = [*args.note, *notes(result)]
     write_json(out, result)
     print(json.dumps(result, indent=1))
     return result
@@ -350,7 +360,10 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"the store is {result['store_bytes'] / 1e9:.2f} GB against {result['fp32_bytes'] / 1e9:.1f} GB in fp32",
         f"a span of {spans[0]['span'][1] - spans[0]['span'][0]} layers loads in "
         f"{statistics.median(r['load_s'] for r in spans):.1f} s (median) on {result['spans']['threads']} thread(s) and "
-        f"holds {spans[0]['held_mb']:.0f} MB; a peer's peak RSS {peak_peer:.0f} MB against {now_peer:.0f} MB after",
+        f"holds {spans[0]['held_mb']:.0f} MB; a peer's RSS {now_peer:.0f} MB after the generations, its peak "
+        f"{peak_peer:.0f} MB (forked from `testnet up`, whose own RSS at the fork is counted in both)",
+        f"the head ({result['spans']['head_lm_head']} lm_head) peaks at {result['head_rss_mb']['peak']:.0f} MB while "
+        f"loading and holds {result['head_rss_mb']['at_end']:.0f} MB at the end of a generation",
         f"ar crosses {len(result['peers']) + 1} links of {result['latency_ms']:g} ms per token (head, then each peer): "
         f"{result['latency_ms'] * (len(result['peers']) + 1):.0f} ms of each token's time is the links'",
     ]
