@@ -97,32 +97,46 @@ def dirty_files() -> list[str]:
     return sorted(line[3:] for line in out.splitlines() if line.strip())
 
 
-def _cpu_ticks() -> dict[int, tuple[str, int]]:
+def _cpu_ticks() -> dict[int, tuple[int, int]]:
+    """Per process: its CPU ticks so far (user + system) and its nice value."""
     ticks = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                head, _, rest = (entry / "stat").read_text().rpartition(")")
-                fields = rest.split()
-                ticks[int(entry.name)] = (head.partition("(")[2], int(fields[11]) + int(fields[12]))
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                ticks[int(entry.name)] = (int(fields[11]) + int(fields[12]), int(fields[16]))
             except (OSError, ValueError, IndexError):
                 continue
     return ticks
 
 
+def _label(pid: int) -> str:
+    """A process by its program's name and the script or module it runs (names only, never a path)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    words = [Path(argv[0]).name]
+    if "-m" in argv[1:-1]:
+        words.append(argv[argv.index("-m") + 1])
+    words += [Path(a).name for a in argv[1:4] if a.endswith(".py")][:1]
+    return " ".join(words)
+
+
 def beside(ours: set[int], seconds: float = 3.0) -> list[dict[str, Any]]:
-    """The processes other than this benchmark's that used over 5% of a core over `seconds`: name and share."""
+    """The processes other than this benchmark's that used over 5% of a core over `seconds`: what each runs, its
+    share of a core and its nice value."""
     first = _cpu_ticks()
     time.sleep(seconds)
     second = _cpu_ticks()
     hz = os.sysconf("SC_CLK_TCK")
     busy = []
-    for pid, (name, ticks) in second.items():
+    for pid, (ticks, nice) in second.items():
         if pid in ours or pid == os.getpid() or pid not in first:
             continue
-        share = (ticks - first[pid][1]) / hz / seconds
+        share = (ticks - first[pid][0]) / hz / seconds
         if share > 0.05:
-            busy.append({"name": name, "cpu_share": round(share, 2)})
+            try:
+                busy.append({"process": _label(pid), "cpu_share": round(share, 2), "nice": nice})
+            except OSError:
+                continue
     return sorted(busy, key=lambda b: -b["cpu_share"])
 
 
@@ -225,8 +239,9 @@ def dsd_node(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess
 
 
 def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dict[str, Any]:
-    """One `dsd-node generate --mode ar` head process: its report's figures, its peak RSS and its RSS at the end
-    (VmHWM and VmRSS, read every 0.25 s until it exits)."""
+    """One `dsd-node generate --mode ar` head process: its report's figures, its peak RSS
+    (VmHWM) and its steady RSS (the median VmRSS after the peak last rose: the generation's, past the load; both
+    read every 0.25 s until it exits)."""
     cmd = [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", bootstrap, "--store", str(args.store),
            "--mode", "ar", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(args.max_new_tokens),
            "--wan-latency-ms", str(args.latency_ms), "--json"]
@@ -234,11 +249,15 @@ def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dic
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         rss: dict[str, float] = {}
+        steady: list[float] = []  # VmRSS since the peak last rose: the generation's, past the load
         while proc.poll() is None:  # its own VmHWM: wait4's ru_maxrss would count this process's peak (fork, exec)
             try:
-                rss = rss_mb(proc.pid)
+                now = rss_mb(proc.pid)
             except (OSError, ValueError):
-                pass
+                now = {}
+            if now:
+                steady = [] if now["peak"] > rss.get("peak", 0.0) else [*steady, now["now"]]
+                rss = now
             time.sleep(0.25)
         wall = time.perf_counter() - t
         out.seek(0)
@@ -249,7 +268,7 @@ def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dic
     report = json.loads(text.strip().splitlines()[-1])
     return {"new_tokens": report["new_tokens"], "tokens_per_s": report["tokens_per_s"], "elapsed_s": report["elapsed_s"],
             "prefill_s": report["prefill_s"], "process_s": round(wall, 2), "head_peak_rss_mb": rss.get("peak"),
-            "head_rss_at_end_mb": rss.get("now"), "tokens": report["tokens"]}
+            "head_rss_steady_mb": statistics.median(steady) if steady else rss.get("now"), "tokens": report["tokens"]}
 
 
 def route_figures(args: argparse.Namespace, state_dir: Path, result: dict[str, Any]) -> None:
@@ -340,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gens = result["generations"]
     result["tokens_per_s"] = spread([g["tokens_per_s"] for g in gens], 4)
     result["head_rss_mb"] = {"peak": max(g["head_peak_rss_mb"] for g in gens),
-                             "at_end": max(g["head_rss_at_end_mb"] for g in gens)}
+                             "steady": max(g["head_rss_steady_mb"] for g in gens)}
     result["peer_rss_mb"] = {row["name"]: row["rss_after_generate_mb"] for row in result["peers"]}
     result["uptime_after"] = uptime()
     result["beside_after"] = beside(set())
@@ -363,7 +382,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"holds {spans[0]['held_mb']:.0f} MB; a peer's RSS {now_peer:.0f} MB after the generations, its peak "
         f"{peak_peer:.0f} MB (forked from `testnet up`, whose own RSS at the fork is counted in both)",
         f"the head ({result['spans']['head_lm_head']} lm_head) peaks at {result['head_rss_mb']['peak']:.0f} MB while "
-        f"loading and holds {result['head_rss_mb']['at_end']:.0f} MB at the end of a generation",
+        f"loading and holds {result['head_rss_mb']['steady']:.0f} MB while it generates",
         f"ar crosses {len(result['peers']) + 1} links of {result['latency_ms']:g} ms per token (head, then each peer): "
         f"{result['latency_ms'] * (len(result['peers']) + 1):.0f} ms of each token's time is the links'",
     ]
