@@ -321,3 +321,23 @@ def _own(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A copy in bf16 of a store file's tensor: a view would keep the whole memory-mapped file mapped, its pages
     read while packing resident (an 8B model's 8-layer span: 1.1 GB more RSS for a few norms and biases)."""
     return None if tensor is None else tensor.to(COMPUTE_DTYPE).clone(memory_format=torch.contiguous_format)
+
+
+def float_tensors(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A quantized store's layer file (`stored_tensors`) as the float layer it holds, in `dtype`: each packed linear's
+    values times its scales (int4: `(q - 8)·s + zero` per group) as `NAME.weight`, every other tensor cast. For a
+    model that quantizes itself again (an int8 draft from a q4k store), never for a route's spans."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        if key.endswith(".qweight"):
+            name = key[: -len(".qweight")]
+            out[f"{name}.weight"] = (tensor.to(torch.float32) * tensors[f"{name}.scales"].to(torch.float32)[:, None])
+        elif key.endswith(".q4"):
+            name = key[: -len(".q4")]
+            q = unpack_nibbles(tensor).to(torch.float32)
+            scale, zero = tensors[f"{name}.scales_zeros"].to(torch.float32).transpose(0, 1).unbind(-1)
+            group = q.shape[1] // scale.shape[1]
+            out[f"{name}.weight"] = (q - 8) * scale.repeat_interleave(group, 1) + zero.repeat_interleave(group, 1)
+        elif not key.endswith((".scales", ".scales_zeros")):
+            out[key] = tensor
+    return {key: tensor.to(dtype) for key, tensor in out.items()}

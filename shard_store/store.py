@@ -21,6 +21,7 @@ from .quant import (
     QUANT_FORMATS,
     check_weights,
     compute_dtype,
+    float_tensors,
     format_of_dtype,
     int8_head,
     load_stored,
@@ -250,13 +251,15 @@ class Store:
                              f"weights: {left}")
         return layer
 
-    def load_full(self, *, device: Device = None, dtype: Dtype = None) -> PreTrainedModel:
+    def load_full(self, *, device: Device = None, dtype: Dtype = None, dequantize: bool = False) -> PreTrainedModel:
         """The whole model as a transformers causal LM (eval) on `device` in `dtype`, e.g. for a local draft model.
         A quantized store's model holds its layers as its spans do (packed linears, bf16, the CPU only: a draft
-        drafts on the same kernels the route's peers run), its embeddings and lm_head in the store's bf16."""
+        drafts on the same kernels the route's peers run), its embeddings and lm_head in the store's bf16; with
+        `dequantize`, as the float model its packed values and scales stand for (`quant.float_tensors`), in `dtype`:
+        for a draft that quantizes itself again (int8)."""
         from transformers import AutoModelForCausalLM
 
-        held = self.manifest.weights
+        held = "" if dequantize else self.manifest.weights
         dev, dt = self._placement(device, dtype)
         if held:
             try:
@@ -283,8 +286,9 @@ class Store:
                 self._stored_layer(model.get_submodule(prefix[:-1]), i)
                 continue
             expected = {k[len(prefix) :] for k in model.state_dict() if k.startswith(prefix)}
-            for key, tensor in self._read_to(layer_file(i), expected, dev, dt).items():
-                state[prefix + key] = tensor
+            layer = self._floats(layer_file(i), expected, dt) if self.manifest.weights else None
+            for key, tensor in (layer or self._read_to(layer_file(i), expected, dev, dt)).items():
+                state[prefix + key] = tensor.to(dev)
         if held:  # the layers are filled already: assign the ends alone
             try:
                 unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
@@ -300,6 +304,17 @@ class Store:
         model.to(dev)  # the rebuilt rotary buffers (weights are there already)
         model.eval()
         return model
+
+    def _floats(self, relpath: str, expected: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A quantized store's layer file as the float tensors it stands for (`quant.float_tensors`), keys checked."""
+        try:
+            tensors = float_tensors(load_file(str(self._checked(relpath))), dtype)
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            raise StoreError(f"store {self.path}: cannot read {relpath}: {exc}") from exc
+        if set(tensors) != expected:
+            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise StoreError(f"store {self.path}: {relpath} has wrong tensors (missing {missing}, unexpected {extra})")
+        return tensors
 
     def load_tokenizer(self) -> Any:
         """The stored tokenizer, or None when the model was converted without one."""

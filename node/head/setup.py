@@ -67,8 +67,9 @@ def load_drafter(
     The draft model loads on `device` in `dtype` (default: the CPU, its store's dtype). `quant`
     ("none" or "int8") is applied to it after loading: int8 is CPU-only and computes in float32,
     so it loads the draft in float32 whatever `dtype` says. A quantized draft store (q4k: the draft GGUF's
-    own blocks) is held as it is and computes in bf16 on the packed kernels, whatever `dtype` says; it takes
-    no `quant`. A draft with another vocabulary is refused.
+    own blocks) is held as it is and computes in bf16 on the packed kernels, whatever `dtype` says; with int8
+    its stored weights are dequantized to float32 first and quantized again (on this CPU torch's dynamic int8
+    steps faster than the packed kernels: bench/draft_formats.py). A draft with another vocabulary is refused.
     """
     if quant not in QUANT_MODES:
         raise ValueError(f"unknown draft quantization {quant!r}; choose one of {', '.join(QUANT_MODES)}")
@@ -81,15 +82,11 @@ def load_drafter(
         return NgramDrafter()
     check_quant_device(quant, device)
     dstore = Store(Path(store))
-    held = dstore.manifest.weights
-    if held and quant != "none":
-        raise ValueError(f"draft store {store} holds {held} weights already: give it --draft-quant none, or "
-                         f"--draft-quant {quant} a float draft store")
-    if held:
+    if dstore.manifest.weights and quant == "none":
         model = dstore.load_full(device=device)
     else:
-        model = quantize_draft_model(dstore.load_full(device=device, dtype=torch.float32 if quant == "int8" else dtype),
-                                     quant)
+        floats = torch.float32 if quant == "int8" else dtype
+        model = quantize_draft_model(dstore.load_full(device=device, dtype=floats, dequantize=quant == "int8"), quant)
     drafter = ModelDrafter(model, params, GumbelNoise(seed))
     drafter.check_compatible(vocab_size, tokenizer, dstore.load_tokenizer())
     return HybridDrafter(drafter) if ngram else drafter

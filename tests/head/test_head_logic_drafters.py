@@ -282,7 +282,8 @@ def test_draft_quant_needs_a_draft_model(tiny_qwen2_root) -> None:
 def test_a_q4k_draft_store_drafts_on_the_packed_kernels_as_it_is_held(tiny_qwen2_root, tmp_path) -> None:
     """A draft store converted with `--weights q4k` (the draft GGUF's own blocks, what `models prepare` makes) loads
     whole as it is held: its layers' linears on the packed kernels, bf16 whatever the head computes in, the same
-    model its spans compute; it takes no --draft-quant, and the target's greedy output stays exact through it."""
+    model its spans compute; with --draft-quant int8 it is the float model those blocks stand for, quantized again.
+    The target's greedy output stays exact through either."""
     from support.gguf_files import write_q4k_gguf
 
     from dsd.node.head.setup import draft_model
@@ -303,9 +304,15 @@ def test_a_q4k_draft_store_drafts_on_the_packed_kernels_as_it_is_held(tiny_qwen2
         whole = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].float()
         spans = model.model.norm(span(model.model.embed_tokens(ids), 0, span.new_cache())).float()
     assert ((whole - spans).norm() / spans.norm()).item() < 0.02
-    with pytest.raises(ValueError, match="holds q4k weights already: give it --draft-quant none"):
-        load_head_setup(target, str(draft), SamplingParams(), 0, quant="int8")
+    floats = Store(draft).load_full(dtype=torch.float32, dequantize=True)
+    assert floats.dtype == torch.float32 and type(floats.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    with torch.inference_mode():  # the values and scales the packed kernels compute with, as float weights
+        dense = floats(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    assert ((dense - whole).norm() / whole.norm()).item() < 0.02
+    int8, _tok = load_head_setup(target, str(draft), SamplingParams(), 0, quant="int8")
+    assert isinstance(draft_model(int8.drafter).get_output_embeddings(), _dynamic_int8_linear())
     prompt, n = [1, 17, 42, 99, 5, 17, 42], 16
-    backend = LocalBackend(Store(target).load_head(), [Store(target).load_span(0, 5)])
-    result = trio.run(HeadEngine(backend, setup.drafter, GenerationConfig(mode="dsd", max_new_tokens=n)).run, prompt)
-    assert result.tokens == _hf_reference(tiny_qwen2_root / "hf", prompt, n) and result.drafted > 0
+    for drafter in (setup.drafter, int8.drafter):
+        backend = LocalBackend(Store(target).load_head(), [Store(target).load_span(0, 5)])
+        result = trio.run(HeadEngine(backend, drafter, GenerationConfig(mode="dsd", max_new_tokens=n)).run, prompt)
+        assert result.tokens == _hf_reference(tiny_qwen2_root / "hf", prompt, n) and result.drafted > 0
