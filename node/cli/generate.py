@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text over the swarm (the head role)")
     add_head_options(p, store_help="the target's store: the head loads its embeddings, final norm and lm_head")
     p.add_argument("--draft", default=None, metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="draft model store; ngram for model-free prompt lookup (default; with --federated the default is the --store model); or DRAFT_STORE+ngram (also ngram+DRAFT_STORE): prompt lookup when the context's tail repeats earlier text, the draft model otherwise")
-    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers after loading: int8 = torch dynamic int8, faster on CPU; the target still decides every token (default none)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers after loading: int8 = torch dynamic int8, faster on CPU (a q4k draft store, what `models prepare` makes, is dequantized first: 1.9x faster steps than drafting on its packed kernels as held, which none does; bench/draft_formats.py); the target still decides every token (default none)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a store with a tokenizer)")

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming), a live swarm page at / and /metrics")
     add_head_options(p, store_help="the target's store: the head loads its embeddings, final norm, lm_head and tokenizer (chat template) once")
     p.add_argument("--draft", default="ngram", metavar="DRAFT_STORE|ngram|DRAFT_STORE+ngram", help="drafter, loaded once and shared by every request (default ngram: model-free prompt lookup)")
-    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (default none)")
+    p.add_argument("--draft-quant", choices=("none", "int8"), default="none", help="quantize the draft model's linear layers (int8: torch dynamic int8 on the CPU, a q4k draft store dequantized first; none: the store as held) (default none)")
     p.add_argument("--head-batching", choices=("on", "off"), default="on", help="run the draft forwards of every request waiting at once as one forward over one shared token tree (default on; off: each request drafts alone, as before)")
     p.add_argument("--mode", choices=MODES, default="dsd", help=MODE_HELP)
     p.add_argument("--gamma-max", type=int, default=16, help="largest draft window (default 16)")

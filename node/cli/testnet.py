@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     tsub.required = True
 
     up = tsub.add_parser("up", help="start a bootstrap node and N block peers; return once a full route is visible")
-    up.add_argument("--store", type=Path, default=None, help="model store the peers serve (required unless --worker-stores)")
+    up.add_argument("--store", type=Path, default=None, help="model store the peers serve (default: the default target "
+                    "as `dsd-node models prepare` made it, q4k, or the format --weights names; federated: "
+                    "--worker-stores instead)")
     up.add_argument("--peers", type=int, default=4, help="number of block peers (default 4)")
     up.add_argument("--replicas", type=int, default=1, help="peers per span: the layers are split into PEERS/REPLICAS spans")
     up.add_argument("--state", type=Path, required=True, metavar="DIR", help="where testnet.json, keys and logs go")
@@ -81,9 +83,25 @@ def spec_of(args: argparse.Namespace):
     )
 
 
+def default_target(weights: str) -> Path:
+    """The store `testnet up` serves without --store: the default target in `weights` (auto: q4k, what `models
+    prepare` makes); StoreError naming the command to run when it is not prepared."""
+    from dsd.shard_store.default_models import DEFAULT_WEIGHTS, require_prepared
+
+    return require_prepared(None, DEFAULT_WEIGHTS if weights == "auto" else weights, roles=("target",))["target"]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from dsd.node.testnet.swarm import SwarmError, bring_up, state_report
+    from dsd.shard_store import Manifest, StoreError
 
+    if args.store is None and not args.federated:
+        try:
+            args.store = default_target(args.weights)
+        except StoreError as exc:
+            return fail(f"testnet up without --store serves the default target: {exc}, or give --store")
+        if args.weights == "auto":  # the peers serve the default store's own format, named on their command line
+            args.weights = Manifest.read(args.store).weights or "auto"
     try:
         state = bring_up(spec_of(args))
     except SwarmError as exc:

@@ -16,7 +16,7 @@ import torch
 import trio
 from support.heads import generate_on, swarm_of
 from support.models import hf_greedy, make_tiny_model
-from support.processes import cli, daemon
+from support.processes import cli, cli_testnet, daemon
 from transformers import AutoModelForCausalLM
 
 from dsd.discovery.survey import survey
@@ -299,3 +299,30 @@ def test_blocks_auto_fills_the_gap(testnet: dict, tiny_qwen2_root: Path, tmp_pat
         assert info["peer_id"] in [h["peer_id"] for h in report["route"]["hops"]]
     finally:
         stop_processes([proc])
+
+
+def test_testnet_up_serves_the_default_q4k_target_without_a_store(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`testnet up` without --store serves the default target as `models prepare` makes it, q4k, its peers started
+    with --weights q4k; where only a float32 store was prepared it says so and what to run, and never uses it."""
+    from support.gguf_files import write_q4k_gguf
+
+    from dsd.shard_store import convert
+    from dsd.shard_store.default_models import TARGET, store_path
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DSD_CACHE", str(cache))
+    gguf = write_q4k_gguf(tmp_path / "tiny.gguf", layers=2)
+    convert(gguf, store_path(TARGET, cache, "fp32"), model_id=TARGET.model_id)
+    refused = cli("testnet", "up", "--state", str(tmp_path / "none"), "--peers", "2")
+    assert refused.returncode == 2
+    assert ("the default target is not prepared as q4k" in refused.stderr
+            and "(prepared here already: float32): run `dsd-node models prepare`" in refused.stderr), refused.stderr
+    convert(gguf, store_path(TARGET, cache), model_id=TARGET.model_id, weights="q4k")
+    state = tmp_path / "tn"
+    with cli_testnet(state, "--peers", "2", "--record-ttl", "10") as net:
+        peers = [p for p in net["peers"] if p["role"] == "block"]
+        assert [(p["start"], p["end"]) for p in peers] == [(0, 1), (1, 2)]
+        ready = [json.loads(p.read_text()) for p in sorted((state / "ready").glob("peer*.json"))]
+        assert {(r["weights"], r["dtype"]) for r in ready} == {("q4k", "bfloat16")}
+        assert net["model"] == TARGET.model_id and net["store"] == str(store_path(TARGET, cache))
