@@ -11,9 +11,9 @@
    span: finite through all layers, its RMS reported), then t0(w): the median seconds of a step of w ∈ {1, 8} rows
    right after the prompt, over `--t0-reps` repetitions, divided by the span's layers.
 3. **Route.** `dsd-node testnet up` (bootstrap + `--peers` block peers forked from it, `--latency-ms` one-way links),
-   then per repetition and prompt a `dsd-node generate --mode ar` head process (greedy, `--max-new-tokens`, random
-   token-id prompts): its tokens/s and its peak RSS; every peer's RSS (now and peak) after the start and after the
-   generations; then `testnet down`.
+   then per repetition and prompt a `dsd-node generate --mode ar --weights q4k` head process (greedy,
+   `--max-new-tokens`, random token-id prompts; `--head-weights`): its tokens/s, its peak RSS and its RSS while it
+   generates; every peer's RSS (now and peak) after the start and after the generations; then `testnet down`.
 
 Also recorded: the CPU (lscpu's Model name), the load average and the other processes using CPU before, during and
 after. Writes bench/results/bigmodel-DATE.json and prints it.
@@ -244,7 +244,7 @@ def generate(args: argparse.Namespace, bootstrap: str, prompt: list[int]) -> dic
     read every 0.25 s until it exits)."""
     cmd = [sys.executable, "-m", "dsd.node.cli", "generate", "--bootstrap", bootstrap, "--store", str(args.store),
            "--mode", "ar", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(args.max_new_tokens),
-           "--wan-latency-ms", str(args.latency_ms), "--json"]
+           "--wan-latency-ms", str(args.latency_ms), "--weights", args.head_weights, "--json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reps", type=int, default=2, help="repetitions of every prompt's generation")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--up-timeout", type=float, default=1200.0)
+    p.add_argument("--head-weights", default="q4k", help="the head's `generate --weights` (default q4k, the store's "
+                   "own: a bf16 head with int8 embeddings and lm_head, as the demo runs it; auto: a float32 head)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--note", action="append", default=[], help="a line for the result's notes (repeatable)")
     args = p.parse_args(argv)
