@@ -48,6 +48,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dsd.shard_store.default_models import default_store_paths
     from dsd.shard_store.devices import resolve_placement
 
+    started = time.perf_counter()
+    prepare_s = None
     try:
         place = resolve_placement(args.device, args.dtype)
         weights = args.weights or ("auto" if args.target or place.device.type != "cpu" else "q4k")
@@ -60,6 +62,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rc = prepare_with_progress(args.cache, kind)
         if rc:
             return rc
+        prepare_s = time.perf_counter() - started
         paths = default_store_paths(args.cache, kind)
         target, draft = paths["target"], args.draft or str(paths["draft"])
     else:
@@ -75,7 +78,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     device=args.device, dtype=args.dtype, weights=weights)
     result = run_demo(spec, say)
     out = args.results or Path("bench/results") / f"demo-{time.strftime('%Y-%m-%d')}.json"
-    result.save(out, spec)
+    result.save(out, spec, prepare_s=prepare_s, command_s=time.perf_counter() - started)
     say(f"result written to {out}")
     base = result.reports.get("ar")
     say(f"== result ({result.weights} weights, draft {result.draft_weights})")

@@ -95,15 +95,21 @@ class DemoResult:
                 "t0_s": self.t0_s, "latency_ms": self.latency_ms, "peers": self.peers, "task_id": self.task_id,
                 "reports": self.reports}
 
-    def save(self, path: Path, spec: DemoSpec) -> None:
-        """Write the result (with what was run and on which load) as JSON, atomically."""
+    def save(self, path: Path, spec: DemoSpec, *, prepare_s: float | None = None,
+             command_s: float | None = None) -> None:
+        """Write the result (with what was run, on which load, and how long preparing the stores and the whole
+        command took, when given: a first run's time) as JSON, atomically."""
         import json
         import os
 
         from dsd.shard_store.files import atomic_write_bytes
 
-        data = {**self.as_dict(), "spec": {k: v.name if isinstance(v, Path) else v for k, v in vars(spec).items()},
-                "load_after": os.getloadavg(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        shown = {k: v.name if isinstance(v, Path) else v for k, v in vars(spec).items()}
+        shown["draft"] = "+".join(Path(part).name for part in spec.draft.split("+"))  # a store by its name, no path
+        timing = {"prepare_s": None if prepare_s is None else round(prepare_s, 1),
+                  "command_s": None if command_s is None else round(command_s, 1)}
+        data = {**self.as_dict(), "spec": shown, "timing": timing, "load_after": os.getloadavg(),
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
         atomic_write_bytes(path, json.dumps(data, indent=1).encode())
 
 

@@ -35,6 +35,7 @@ def test_demo_runs_end_to_end_and_writes_its_result(tiny_qwen2_root: Path, tmp_p
     assert reports["dsd"]["tokens"] == reports["ar"]["tokens"] and 1 <= len(reports["ar"]["tokens"]) <= 12
     assert result["spec"]["max_new_tokens"] == 12 and "load_after" in result
     assert result["identical"] is True and result["weights"] == "fp32" and result["draft_weights"] == "ngram"
+    assert result["timing"]["prepare_s"] is None and result["timing"]["command_s"] > 0  # --target: nothing prepared
     assert "identical text" in run.stdout and "== result (fp32 weights, draft ngram)" in run.stdout
     for r in reports.values():  # the completion HumanEval scores: the text before the first stop string
         assert r["text"].startswith(r["completion"]) and not any(s in r["completion"] for s in HUMANEVAL_STOPS)
@@ -59,8 +60,10 @@ def test_the_demo_runs_the_default_pair_in_q4k(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "stored as q4k" in run.stdout and "nothing to do" in run.stdout  # prepared already: no conversion
     result = json.loads(out.read_text())
+    assert 0 <= result["timing"]["prepare_s"] < result["timing"]["command_s"]  # recorded: a first run's time
     assert result["weights"] == "q4k" and result["draft_weights"] == "int8 from q4k" and result["identical"] is True
     assert result["spec"]["weights"] == "q4k" and result["spec"]["draft_quant"] == "int8"
+    assert result["spec"]["draft"] == "Qwen2.5-Coder-0.5B-Instruct-q4k"  # the store's name: no path of this machine
     assert result["reports"]["dsd"]["tokens"] == result["reports"]["ar"]["tokens"]
     assert "== result (q4k weights, draft int8 from q4k)" in run.stdout and "head bfloat16" in run.stdout
     ready = [json.loads(p.read_text()) for p in sorted((tmp_path / "tn" / "ready").glob("peer*.json"))]
