@@ -8,7 +8,10 @@ a StoreError with one line saying why and what to use instead.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,3 +158,23 @@ def free_memory_bytes(device: torch.device) -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages the C allocator holds free back to the OS (glibc's `malloc_trim(0)`, every arena); whether it
+    could. A span loaded in a worker thread (as a peer loads) leaves its temporaries in that thread's arena, which
+    glibc keeps: an 8B model's 8-layer q4k span, 1.0 GB of weights, left a peer 0.45 GB more."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

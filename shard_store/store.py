@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .devices import release_freed_memory
 from .dtypes import torch_dtype
 from .errors import StoreError
 from .families import FamilyAdapter, adapter_for, config_from_dict
@@ -185,6 +186,7 @@ class Store:
             # a copy: the norm's view would keep head.safetensors mapped, its lm_head pages read while quantizing
             # resident (an 8B model's: 1 GB)
             norm.weight.data = norm.weight.data.clone()
+            release_freed_memory()  # the float32 rows quantized
         return HeadModule(embed, norm, lm_head, config, self.adapter)
 
     def _layer(self, config: PretrainedConfig, index: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -220,6 +222,7 @@ class Store:
             layer = self._layer(config, i, dev, torch.float32)
             quantize_linears(layer, weights)
             layers.append(layer)
+        release_freed_memory()  # the float layers packed from
         return SpanModule(self.adapter, config, start, end, layers, weights)
 
     def _load_quantized_span(self, start: int, end: int, config: PretrainedConfig, device: torch.device,
@@ -235,6 +238,7 @@ class Store:
             with torch.device("meta"):
                 layer = self.adapter.new_decoder_layer(config, i)
             layers.append(self._stored_layer(layer, i))
+        release_freed_memory()  # the packing's temporaries: a worker thread's arena would keep them
         return SpanModule(self.adapter, config, start, end, layers, held)
 
     def _stored_layer(self, layer: nn.Module, index: int) -> nn.Module:
