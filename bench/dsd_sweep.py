@@ -290,7 +290,7 @@ def run_sweep(opts: SweepOptions, command: str) -> dict[str, Any]:
         log(f"resuming {path}: {len(results['settings_runs'])} settings started")
     merge_settings(results, opts)
     opts.state.mkdir(parents=True, exist_ok=True)
-    target, setup, tokenizer, eos = load_models(opts.models, opts.state, opts.draft_quant)
+    target, setup, tokenizer, eos = load_models(opts.models, opts.state, opts.draft_quant, opts.weights)
     workload = Workload(opts.models, opts.problems, tokenizer)
     held_out = Workload(opts.models, list(CALIBRATION_PROBLEMS), tokenizer)
     acceptance: dict[str, Any] | None = None

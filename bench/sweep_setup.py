@@ -157,9 +157,10 @@ class Workload:
         return None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any, Any, Any]:
-    """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair) or `tiny` (target as
-    draft); `quant` is the draft's quantization (`dsd-node generate --draft-quant`)."""
+def load_models(models: str, work: Path, quant: str = "none", weights: str = "fp32") -> tuple[Path, Any, Any, Any]:
+    """(target store path, HeadSetup, tokenizer, eos ids) for `real` (the default pair: its fp32 stores, or its q4k
+    stores with `weights` q4k, whose head holds int8 ends) or `tiny` (target as draft); `quant` is the draft's
+    quantization (`dsd-node generate --draft-quant`)."""
     from dsd.node.head.drafters import ModelDrafter, quantize_draft_model
     from dsd.node.head.sampling import SamplingParams
     from dsd.node.head.setup import HeadSetup, eos_ids, load_head_setup
@@ -168,9 +169,10 @@ def load_models(models: str, work: Path, quant: str = "none") -> tuple[Path, Any
 
     params = SamplingParams()
     if models == "real":
-        if not prepared(weights="fp32"):
-            raise SystemExit("the default pair is not prepared: run `dsd-node models prepare --weights fp32` first")
-        paths = default_store_paths(weights="fp32")
+        fmt = "q4k" if weights == "q4k" else "fp32"
+        if not prepared(weights=fmt):
+            raise SystemExit(f"the default pair is not prepared: run `dsd-node models prepare --weights {fmt}` first")
+        paths = default_store_paths(weights=fmt)
         setup, tok = load_head_setup(paths["target"], str(paths["draft"]), params, seed=0, quant=quant)
         return paths["target"], setup, tok, eos_ids(tok, Store(paths["target"]).manifest)
     if models == "tiny":
