@@ -18,7 +18,7 @@
 Also recorded: the CPU (lscpu's Model name), the load average and the other processes using CPU before, during and
 after. Writes bench/results/bigmodel-DATE.json and prints it.
 
-    python bench/bigmodel.py                                    # 8B, 4 peers, 30 ms links (about 25 min on 2 cores)
+    python bench/bigmodel.py                                    # 8B, 4 peers, 30 ms links (about 7 min on 2 cores)
     python bench/bigmodel.py --config llama3.2-3b               # a smaller real config where 8B does not fit
     python bench/bigmodel.py --config tiny --store /tmp/tiny --out /tmp/tiny.json   # the benchmark itself, in a minute
 """
