@@ -1,6 +1,6 @@
 """Attention one query row at a time over exactly the keys it sees, so a row's numbers never depend on its window.
 
-A span that computes in bfloat16 (every quantized span, and bf16/fp16 floats) rounds its attention output to bf16.
+A quantized span computes in bfloat16 and rounds its attention output to bf16.
 Computed by a batched kernel, a row's scores and sums are blocked, vectorized and split across threads by the shape of
 the whole window, so the same row rounds differently in a one-row `ar` step, in a chain window, in a token tree or
 beside other sessions' rows; at bf16's precision the two likeliest tokens are often tied, and that rounding decided

@@ -96,8 +96,8 @@ def test_a_tree_node_gives_the_bits_of_its_path_as_one_row_steps(wide) -> None:
 
 def test_a_joint_step_gives_each_session_the_bits_of_its_own_steps(wide) -> None:
     root, _ = wide
-    span = span_of(root, "q4k", 1, 3)
-    sessions = [(40, 6, None), (9, 4, [-1, 0, 0, 1]), (101, 1, None)]
+    span = span_of(root, "q4k")
+    sessions = [(40, 9, None), (70, 16, None), (9, 4, [-1, 0, 0, 1]), (101, 1, None)]  # 9 and 16 rows: batched, they differ
     windows, want = [], []
     for seed, (p, t, parents) in enumerate(sessions):
         x = hidden(p + t, 20 + seed)
