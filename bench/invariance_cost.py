@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import run_metadata, write_json
 
 from dsd.shard_store import Store
 from dsd.shard_store.random_q4k import write_random_q4k_store
@@ -71,15 +71,13 @@ def main() -> None:
             results.append(cell)
             print(json.dumps(cell), flush=True)
     span.batch_invariant = True
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    out = {"what": "q4k span step time, row attention (batch-invariant) against the batched kernel",
-           "span_layers": args.layers, "shape": TARGET_SHAPE, "reps": args.reps, "threads": torch.get_num_threads(),
-           "cpu": cpu, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
-           "load_after": open("/proc/loadavg").read().split()[:3], "cells": results}
+    out = {**run_metadata("invariance_cost", args),
+           "what": "q4k span step time, row attention (batch-invariant) against the batched kernel",
+           "span_layers": args.layers, "shape": TARGET_SHAPE, "load_after": open("/proc/loadavg").read().split()[:3],
+           "cells": results}
     print(json.dumps(out, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":
