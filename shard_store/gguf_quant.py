@@ -147,14 +147,12 @@ def int4_group_tensors(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> 
 
 def _check_mapped(name: str, kind: str, held: dict[str, torch.Tensor], weight: torch.Tensor) -> None:
     """The held groups give transformers' dequantized `weight` up to the bf16 rounding of each scale and zero."""
-    from .quant import unpack_nibbles
+    from .quant import int4_dequantize
 
-    q = unpack_nibbles(held["q4"]).to(torch.float32)
-    sz = held["scales_zeros"].to(torch.float32).transpose(0, 1)  # [n, groups, 2]
-    n, k = q.shape
-    s, zero = sz[..., 0].repeat_interleave(Q4K_GROUP, dim=1), sz[..., 1].repeat_interleave(Q4K_GROUP, dim=1)
-    mine = (q - 8.0) * s + zero
-    bound = (8.0 * s.abs() + zero.abs()) * BF16_REL + 1e-6
+    mine = int4_dequantize(held["q4"], held["scales_zeros"])
+    n, k = mine.shape
+    s, zero = held["scales_zeros"].to(torch.float32).transpose(0, 1).abs().unbind(-1)  # [n, groups] each
+    bound = ((8.0 * s + zero) * BF16_REL + 1e-6).repeat_interleave(Q4K_GROUP, dim=1)
     err = (mine - weight.to(torch.float32)).abs() - bound
     if bool((err > 0).any()):
         row, col = divmod(int(err.argmax()), k)

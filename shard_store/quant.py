@@ -117,6 +117,15 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
+def int4_dequantize(q4: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] a store's 4-bit values (nibbles [N, K / 2]) and bf16 scales and zeros
+    [K / group, N, 2] stand for: (q − 8)·s + zero per group, as the kernel computes it."""
+    q = unpack_nibbles(q4).to(torch.float32)
+    scale, zero = scales_zeros.to(torch.float32).transpose(0, 1).unbind(-1)
+    group = q.shape[1] // scale.shape[1]
+    return (q - 8.0) * scale.repeat_interleave(group, 1) + zero.repeat_interleave(group, 1)
+
+
 def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
     """`pack_nibbles` undone: int32 [N, 2·K']."""
     b = b.to(torch.int32)
@@ -334,10 +343,7 @@ def float_tensors(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> di
             out[f"{name}.weight"] = (tensor.to(torch.float32) * tensors[f"{name}.scales"].to(torch.float32)[:, None])
         elif key.endswith(".q4"):
             name = key[: -len(".q4")]
-            q = unpack_nibbles(tensor).to(torch.float32)
-            scale, zero = tensors[f"{name}.scales_zeros"].to(torch.float32).transpose(0, 1).unbind(-1)
-            group = q.shape[1] // scale.shape[1]
-            out[f"{name}.weight"] = (q - 8) * scale.repeat_interleave(group, 1) + zero.repeat_interleave(group, 1)
+            out[f"{name}.weight"] = int4_dequantize(tensor, tensors[f"{name}.scales_zeros"])
         elif not key.endswith((".scales", ".scales_zeros")):
             out[key] = tensor
     return {key: tensor.to(dtype) for key, tensor in out.items()}

@@ -107,3 +107,23 @@ def test_convert_weights_on_the_command_line(tmp_path: Path) -> None:
     tensors = load_file(str(tmp_path / "s" / layer_file(0)))
     assert tensors["mlp.up_proj.q4"].dtype == torch.uint8 and tensors["self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert np.isfinite(tensors["mlp.down_proj.scales_zeros"].float().numpy()).all()
+
+
+def test_the_mapping_check_takes_the_blocks_own_weight_and_refuses_one_a_step_off() -> None:
+    """`_check_mapped`: 4-bit blocks held as int4 groups give their weight up to the bf16 rounding of each scale and
+    zero; a loader that changed one weight by a step is refused, naming the tensor and the position."""
+    from dsd.shard_store.gguf_quant import _check_mapped, int4_group_tensors
+    from dsd.shard_store.quant import int4_dequantize
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, size=(16, 64), dtype=np.uint8)
+    scale = rng.uniform(0.01, 0.05, size=(16, 2)).astype(np.float32)
+    offset = rng.uniform(-0.5, 0.0, size=(16, 2)).astype(np.float32)
+    held = int4_group_tensors(q, scale, offset)
+    weight = torch.from_numpy(scale.repeat(32, 1) * q + offset.repeat(32, 1))
+    _check_mapped("blk.0.ffn_up.weight", "Q4_K", held, weight)
+    assert torch.allclose(int4_dequantize(held["q4"], held["scales_zeros"]), weight, atol=2e-3)
+    off = weight.clone()
+    off[3, 40] += float(scale[3, 1])
+    with pytest.raises(StoreError, match=r"blk.0.ffn_up.weight \(Q4_K\).*at \[3, 40\]"):
+        _check_mapped("blk.0.ffn_up.weight", "Q4_K", held, off)
