@@ -11,7 +11,8 @@ continuation. Each draft format then
 - drafts a window greedily after the prompt: `propose(prompt, 1)` (the prefill) then `propose(…, --window)` (the
   window, a drafting run of that many one-row steps from a warm cache).
 Formats are visited in turn, the order alternating per repetition, so a busy moment falls on both. The threads are
-the demo head's (1, `run_demo`) unless `--threads` says otherwise; the CPU model and its flags are recorded. Drafters
+the demo head's (1, `run_demo`) unless `--threads` says otherwise; the CPU model and its flags are recorded
+(the harness's machine header). Drafters
 are built as the head builds them (`load_drafter`).
 
     python bench/draft_formats.py                  # the default pair: int8, q4k, int8-q4k (prepares what is missing)
@@ -22,7 +23,6 @@ are built as the head builds them (`load_drafter`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -37,25 +37,6 @@ from harness import RESULTS_DIR, comma_list, run_metadata, today, write_json
 
 FORMATS = {"int8": ("fp32", "int8"), "q4k": ("q4k", "none"), "int8-q4k": ("q4k", "int8"), "fp32": ("fp32", "none")}
 """Each format's draft store (the default pair's kind) and `--draft-quant`."""
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-
-
-def cpu_info() -> dict[str, Any]:
-    """The CPU beyond its model name: vendor, family and model numbers, and the flags the kernels care about."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if not key and fields:
-                break
-            fields.setdefault(key, value.strip())
-    flags = set(fields.get("flags", "").split())
-    return {"vendor": fields.get("vendor_id", ""), "model_name": fields.get("model name", ""),
-            "family": fields.get("cpu family", ""), "model": fields.get("model", ""),
-            "flags": [f for f in CPU_FLAGS if f in flags]}
-
-
 def stores(args: argparse.Namespace) -> tuple[Path, dict[str, Path]]:
     """(the target store, each format's draft store): the ones given, else the default pair's, preparing what is
     missing with `models prepare`'s code (the q4k target, the q4k draft, the fp32 draft that int8 quantizes)."""
@@ -150,7 +131,6 @@ def run(args: argparse.Namespace, target: Path, drafts: dict[str, Path]) -> dict
         "models": "given" if args.target else "real",
         "target": f"{tstore.manifest.model_id} ({tstore.manifest.weights or tstore.manifest.dtype})",
         "draft": Store(drafts[formats[0]]).manifest.model_id,
-        "cpu": cpu_info(),
         "threads": torch.get_num_threads(),
         "problems": problems,
         "prompt_tokens": [len(p) for p in prompts],

@@ -43,17 +43,29 @@ def git_commit() -> str:
         return "unknown"
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: a host id (hash of the machine id), CPU count and model, memory, Python
-    and torch versions."""
-    import torch
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+"""The CPU flags torch's CPU kernels choose their paths by (int8/int4 packed, bf16): recorded with every result."""
 
-    cpu_model = ""
+
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip() and fields:
                 break
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: a host id (hash of the machine id), CPU count, model, vendor, family and
+    the flags the kernels care about, memory, Python and torch versions."""
+    import torch
+
+    cpu = cpu_fields()
+    flags = set(cpu.get("flags", "").split())
     mem_gb = None
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem_gb = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
@@ -63,7 +75,11 @@ def machine_info() -> dict[str, Any]:
     return {
         "host_id": host_id,
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu.get("model name", ""),
+        "cpu_vendor": cpu.get("vendor_id", ""),
+        "cpu_family": cpu.get("cpu family", ""),
+        "cpu_model_number": cpu.get("model", ""),
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
         "mem_gb": mem_gb,
         "platform": platform.platform(),
         "python": platform.python_version(),
